@@ -1,0 +1,169 @@
+"""The `dspark` command line. Heavy imports stay inside commands: `dspark --help` is instant."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from dspark.errors import DsparkError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+class _Group(click.Group):
+    """Turns user-facing errors into one line and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except DsparkError as e:
+            click.secho(f"error: {e}", fg="red", err=True)
+            sys.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.secho("interrupted: finished samples are saved; rerun the same command to resume",
+                        fg="yellow", err=True)
+            sys.exit(130)
+
+
+def _echo_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2, default=str))
+
+
+class IntList(click.Option):
+    """An option taking one or more ints: `--target-layer-ids 1 3 5` (the seed's style) or `1,3,5`.
+
+    Click options take a fixed count of values, so this one swallows the words
+    that follow it up to the next option.
+    """
+
+    def add_to_parser(self, parser, ctx):
+        super().add_to_parser(parser, ctx)
+        for name in self.opts:
+            opt = parser._long_opt.get(name) or parser._short_opt.get(name)
+            if opt:
+                orig = opt.process
+
+                def process(value, state, orig=orig):
+                    values = [value]
+                    while state.rargs and not state.rargs[0].startswith("-"):
+                        values.append(state.rargs.pop(0))
+                    orig(" ".join(values), state)
+
+                opt.process = process
+
+    def type_cast_value(self, ctx, value):
+        if value is None:
+            return None
+        try:
+            return [int(x) for x in str(value).replace(",", " ").split()]
+        except ValueError:
+            raise click.BadParameter(f"expected integers, got {value!r}") from None
+
+
+@click.group(cls=_Group, context_settings=CONTEXT)
+@click.version_option(package_name="dspark")
+def main():
+    """Turn a verifier LLM plus chat data into a vLLM-servable DSpark drafter."""
+
+
+@main.command("toy-verifier")
+@click.option("--output", type=click.Path(path_type=Path), default=Path("cache/models/tiny"), show_default=True)
+@click.option("--steps", type=int, default=None, help="Pre-training steps (default 150).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def toy_verifier(output, steps, seed):
+    """Build a tiny pre-trained Qwen3 verifier + chat tokenizer, offline."""
+    from dataclasses import replace
+
+    from dspark.toy import ToySpec, build_toy_verifier
+
+    spec = ToySpec(seed=seed)
+    if steps is not None:
+        spec = replace(spec, steps=steps)
+    _echo_json(build_toy_verifier(output, spec))
+
+
+@main.command()
+@click.option("--model", required=True, help="Verifier folder (for its tokenizer and chat template).")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--data", required=True, help="Chat JSONL: OpenAI `messages` or ShareGPT `conversations`.")
+@click.option("--output", required=True)
+@click.option("--seq-length", type=int, default=2048, show_default=True)
+@click.option("--num-preprocessing-workers", type=int, default=1, show_default=True)
+@click.option("--minimum-valid-tokens", type=int, default=1, show_default=True)
+def prepare(**kw):
+    """Tokenize chat data with the model's template; mask all but assistant tokens."""
+    from dspark.prepare import PrepareConfig
+    from dspark.prepare import prepare as run
+
+    summary = run(PrepareConfig(**kw))
+    status = "up to date, nothing to do" if summary.pop("up_to_date") else "written"
+    click.echo(f"prepare {kw['output']}: {status}")
+    _echo_json(summary)
+
+
+@main.command()
+@click.option("--to", "to", default="zarr", show_default=True, help="Sink(s): zarr, mooncake or zarr,mooncake.")
+@click.option("--model", required=True)
+@click.option("--data", required=True, help="A folder written by `dspark prepare`.")
+@click.option("--store", required=True, help="Zarr store folder (created or resumed).")
+@click.option("--target-layer-ids", cls=IntList, required=True, help="e.g. `1 3 5` or `1,3,5`.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default=None, help="Override the verifier dtype (default: its config's).")
+@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Padded tokens per forward.")
+@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option("--fp8", is_flag=True, help="Store fp8 e4m3 with a scale per token and layer (half of bf16).")
+@click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: ~1 MiB chunks).")
+@click.option("--shard", default="0/1", show_default=True, help="INDEX/COUNT: this writer's share of batches.")
+@click.option("--verifier-name", default=None, help="Name recorded in the manifest (default: folder name).")
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--no-progress", is_flag=True)
+def extract(fp8, no_progress, **kw):
+    """Capture verifier hidden states into the store (resumable, crash-safe)."""
+    from dspark.extract.runner import ExtractConfig, run_extract
+
+    cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", **kw)
+    _echo_json(run_extract(cfg, progress=not no_progress))
+
+
+@main.group()
+def store():
+    """Inspect and check hidden-state stores."""
+
+
+@store.command("info")
+@click.argument("path")
+def store_info(path):
+    """Samples, tokens, raw vs on-disk bytes, ratio and the manifest."""
+    from dspark.connector.zarr_store import ZarrStore
+
+    _echo_json(ZarrStore(path).info())
+
+
+@store.command("verify")
+@click.argument("path")
+@click.option("--no-progress", is_flag=True)
+def store_verify(path, no_progress):
+    """Read every sample back against its checksum; non-zero exit on any damage."""
+    from tqdm import tqdm
+
+    from dspark.connector.zarr_store import ZarrStore
+    from dspark.errors import StoreError
+
+    s = ZarrStore(path)
+    bad = [(i, why) for i in tqdm(s.sample_ids, desc="verify", unit="sample", disable=no_progress)
+           if (why := s.damaged(i))]
+    for i, why in bad[:20]:
+        click.echo(f"sample {i}: {why}", err=True)
+    if bad:
+        raise StoreError(f"{len(bad)} of {len(s)} samples in {path} are damaged",
+                         "re-extract them: delete the store's damaged segment or extract into a new store")
+    click.echo(f"ok: {len(s)} samples verified in {path}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

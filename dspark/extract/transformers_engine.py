@@ -1,0 +1,90 @@
+"""Transformers extraction engine: hidden states at the target layers + last layer pre-norm.
+
+Layer id k is the residual stream after decoder layer k-1 (k=0: the embeddings).
+We capture them with forward hooks rather than `output_hidden_states=True`:
+hooks keep only the layers asked for, and they see the last layer *before* the
+final norm, which `hidden_states[-1]` does not in many HF models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.errors import InputError
+
+
+def _decoder(model):
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise InputError(f"{type(model).__name__} has no .model.layers/.embed_tokens",
+                         "use a decoder-only causal LM (Llama/Qwen-style)")
+    return inner
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
+    if bad or not layer_ids:
+        raise InputError(f"target layer id(s) {bad or layer_ids} out of range for a verifier with "
+                         f"{num_layers} layers", f"use ids in 0..{num_layers} (0 = embeddings)")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise InputError(f"duplicate target layer ids {layer_ids}", "list each layer once")
+    return list(layer_ids)
+
+
+class TransformersEngine:
+    def __init__(self, model_path: str | Path, target_layer_ids: list[int], device: str = "cpu",
+                 dtype: str | None = None, trust_remote_code: bool = False):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(model_path)
+        if not (path / "config.json").exists():
+            raise InputError(f"model folder {path} has no config.json",
+                             "pass --model a local Hugging Face model folder")
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        config = getattr(config, "text_config", config)
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.target_layer_ids = validate_layer_ids(target_layer_ids, self.num_layers)
+        self.captured_layer_ids = [*self.target_layer_ids, self.num_layers]
+        torch_dtype = getattr(torch, dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
+        if isinstance(torch_dtype, str):
+            torch_dtype = getattr(torch, torch_dtype)
+        self.dtype = torch_dtype
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
+        self._captured: dict[int, torch.Tensor] = {}
+        dec = _decoder(self.model)
+        for k in sorted(set(self.captured_layer_ids)):
+            module = dec.embed_tokens if k == 0 else dec.layers[k - 1]
+            module.register_forward_hook(self._hook(k))
+
+    def _hook(self, k: int):
+        def fn(_module, _inputs, output):
+            self._captured[k] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @torch.inference_mode()
+    def extract(self, batch: list[np.ndarray]) -> list[torch.Tensor]:
+        """Right-padded batched forward; returns `[T_i, L+1, H]` per sample, on the CPU."""
+        lengths = [len(ids) for ids in batch]
+        T = max(lengths)
+        input_ids = torch.zeros(len(batch), T, dtype=torch.long)
+        attn = torch.zeros(len(batch), T, dtype=torch.long)
+        for i, ids in enumerate(batch):
+            input_ids[i, : len(ids)] = torch.as_tensor(ids)
+            attn[i, : len(ids)] = 1
+        self._captured.clear()
+        # Run the decoder stack only: the lm_head over the full vocab is wasted work here.
+        _decoder(self.model)(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
+                             use_cache=False)
+        stacked = torch.stack([self._captured[k] for k in self.captured_layer_ids], dim=2)  # [B, T, L+1, H]
+        stacked = stacked.to("cpu", self.dtype)
+        return [stacked[i, :n].clone() for i, n in enumerate(lengths)]
