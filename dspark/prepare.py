@@ -183,10 +183,10 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
 
     kept_ids, kept_mask, dropped = [], [], Counter()
     freq: Counter = Counter()
-    for ids, mask in results:
+    for (ids, mask), messages in zip(results, convs):
         valid = sum(mask)
-        if valid == 0:
-            dropped["no_assistant_tokens"] += 1
+        if not any(m["role"] == "assistant" for m in messages):
+            dropped["no_assistant_turn"] += 1
         elif valid < cfg.minimum_valid_tokens:
             dropped["below_minimum_valid_tokens"] += 1
         else:
@@ -215,12 +215,14 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
 
 
 def _check_writable(out: Path) -> None:
-    parent = out.parent if not out.exists() else out
-    probe = parent
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise InputError(f"output folder {out} is not writable", "choose a --output you can write to")
+    """Fail before the work, not after it: can we create files beside `out`?"""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as e:
+        raise InputError(f"output folder {out} is not writable ({e.strerror or e})",
+                         "choose a --output you can write to") from None
 
 
 def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:

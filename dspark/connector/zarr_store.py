@@ -25,9 +25,11 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import threading
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -74,13 +76,44 @@ def _read_index(path: Path) -> list[tuple[int, int, int, int]]:
 
 
 class _Segment:
-    """Open arrays of one segment (read side)."""
+    """Open arrays of one segment (read side), with a small LRU of decoded chunks.
+
+    Samples are much shorter than a chunk on small models and span chunk
+    boundaries on big ones; the cache makes sequential reads decode each chunk
+    once instead of once per sample.
+    """
+
+    CACHE_CHUNKS = 8
 
     def __init__(self, path: Path, fp8: bool):
         self.path = path
-        self.hidden = zarr.open_array(path / "hidden", mode="r")
-        self.token_ids = zarr.open_array(path / "token_ids", mode="r")
-        self.scales = zarr.open_array(path / "scales", mode="r") if fp8 else None
+        self.arrays = {name: zarr.open_array(path / name, mode="r")
+                       for name in ("hidden", "token_ids", *(("scales",) if fp8 else ()))}
+        self.chunk_tokens = self.arrays["hidden"].chunks[0]
+        self._cache: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _chunk(self, name: str, c: int) -> np.ndarray:
+        key = (name, c)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        block = self.arrays[name].get_block_selection((c,) + (0,) * (self.arrays[name].ndim - 1))
+        with self._lock:
+            self._cache[key] = block
+            while len(self._cache) > self.CACHE_CHUNKS * len(self.arrays):
+                self._cache.popitem(last=False)
+        return block
+
+    def read(self, name: str, start: int, length: int) -> np.ndarray | None:
+        if name not in self.arrays:
+            return None
+        C = self.chunk_tokens
+        c0, c1 = start // C, (start + length - 1) // C
+        blocks = [self._chunk(name, c) for c in range(c0, c1 + 1)]
+        joined = blocks[0] if len(blocks) == 1 else np.concatenate(blocks)
+        return joined[start - c0 * C : start - c0 * C + length]
 
 
 class ZarrStore:
@@ -132,11 +165,8 @@ class ZarrStore:
     def _read_raw(self, sample_id: int):
         e = self.entry(sample_id)
         seg = self._segment(e.segment)
-        sl = slice(e.start, e.start + e.length)
-        tokens = seg.token_ids[sl].astype(np.int64)
-        payload = seg.hidden[sl]
-        scales = seg.scales[sl] if seg.scales is not None else None
-        return e, tokens, payload, scales
+        tokens = seg.read("token_ids", e.start, e.length).astype(np.int64)
+        return e, tokens, seg.read("hidden", e.start, e.length), seg.read("scales", e.start, e.length)
 
     def read(self, sample_id: int, check: bool = False) -> Sample:
         e, tokens, payload, scales = self._read_raw(sample_id)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv with a CPU torch and dspark (+ dev tools). Idempotent: a second run is quick.
+#
+# speculators==0.9.0 pulls torchvision, which would drag torch up to a multi-GB CUDA
+# build; we pin a matching torchvision only to satisfy the resolver, then remove it
+# (speculators never imports it, and transformers fails on a CPU torch if it is there).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import dspark, speculators, torch, pytest" 2>/dev/null; then
+  pip install -q "torch==2.13.0"
+  pip install -q -e ".[dev]" "torchvision==0.28.*" "torchaudio==2.11.1"
+  pip uninstall -q -y torchvision torchaudio
+fi
+python -c "import torch, speculators, dspark; print(f'dspark {dspark.__version__} ready: torch {torch.__version__}, speculators {speculators.__version__}')"

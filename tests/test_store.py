@@ -1,0 +1,141 @@
+import multiprocessing as mp
+import os
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli
+from dspark.connector.base import Sample
+from dspark.connector.manifest import StoreManifest
+from dspark.connector.zarr_store import ZarrSink, ZarrStore
+from dspark.errors import StoreError, StoreMismatch
+
+L, H = 4, 32
+
+
+def manifest(**kw) -> StoreManifest:
+    base = dict(verifier_name="toy", verifier_config_hash="c", tokenizer_hash="t", target_layer_ids=[1, 2, 3],
+                num_hidden_layers=4, hidden_size=H, dtype="bfloat16", chunk_tokens=16, prepared_fingerprint="p")
+    return StoreManifest(**{**base, **kw})
+
+
+def make_sample(i: int, n: int | None = None) -> Sample:
+    g = torch.Generator().manual_seed(i)
+    n = n or 5 + (i * 7) % 40
+    hidden = (torch.randn(n, L, H, generator=g) * (1 + torch.arange(L)).view(1, L, 1) * 3).to(torch.bfloat16)
+    return Sample(i, np.arange(n, dtype=np.int64) + i, hidden)
+
+
+def write(root, ids, **kw) -> ZarrSink:
+    sink = ZarrSink(root, manifest(**kw))
+    for i in ids:
+        sink.write(make_sample(i))
+    sink.close()
+    return sink
+
+
+def test_bf16_round_trip_is_bit_exact(tmp_path):
+    write(tmp_path, range(30))
+    store = ZarrStore(tmp_path)
+    assert store.sample_ids == list(range(30))
+    for i in [0, 7, 29, 13]:  # random access
+        got, want = store.read(i, check=True), make_sample(i)
+        assert torch.equal(got.hidden_states.view(torch.int16), want.hidden_states.view(torch.int16))
+        assert got.hidden_states.dtype == torch.bfloat16 and np.array_equal(got.token_ids, want.token_ids)
+    assert [s.sample_id for s in store.iter_samples(read_ahead=3)] == list(range(30))
+    info = store.info()
+    assert info["samples"] == 30 and info["raw_bytes"] == sum(make_sample(i).hidden_states.nbytes for i in range(30))
+
+
+def test_fp8_round_trip_within_tolerance(tmp_path):
+    write(tmp_path / "fp8", range(10), encoding="fp8_e4m3")
+    store = ZarrStore(tmp_path / "fp8")
+    for i in range(10):
+        got, want = store.read(i, check=True).hidden_states.float(), make_sample(i).hidden_states.float()
+        amax = want.abs().amax(-1, keepdim=True)
+        # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 for normal values, plus the subnormal step.
+        assert ((got - want).abs() <= want.abs() / 16 + amax / 448 * 2**-6 + 1e-2 * amax / 448).all()
+    write(tmp_path / "bf16", range(10))
+    assert store.disk_bytes() < 0.7 * ZarrStore(tmp_path / "bf16").disk_bytes()
+
+
+def test_torn_index_tail_and_damage_are_detected(tmp_path):
+    write(tmp_path, range(12))
+    seg = next((tmp_path / "segments").iterdir())
+    with open(seg / "index.bin", "ab") as f:  # a writer killed mid-record
+        f.write(struct.pack("<qq", 99, 0))
+    assert ZarrStore(tmp_path).sample_ids == list(range(12))
+    chunk = seg / "hidden" / "c" / "0" / "0" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    store = ZarrStore(tmp_path)
+    damaged = {i for i in store.sample_ids if store.damaged(i)}
+    in_chunk0 = {i for i in store.sample_ids if store.entry(i).start < 16}
+    assert damaged and damaged <= in_chunk0
+    proc = run_cli("store", "verify", tmp_path, "--no-progress", check=False)
+    assert proc.returncode != 0 and "damaged" in proc.stderr
+
+
+def _writer(root, ids):
+    write(root, ids)
+
+
+def test_two_concurrent_writers(tmp_path):
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(tmp_path, range(k, 60, 2))) for k in (0, 1)]
+    procs += [ctx.Process(target=_writer, args=(tmp_path, range(20, 40)))]  # overlaps both
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    store = ZarrStore(tmp_path)
+    assert store.sample_ids == list(range(60)) and store.duplicates == 20
+    assert all(store.damaged(i) is None for i in range(60))
+    for i in range(0, 60, 9):
+        assert torch.equal(store.read(i).hidden_states, make_sample(i).hidden_states)
+
+
+def test_manifest_mismatch_is_refused_with_the_difference(tmp_path):
+    write(tmp_path, range(3))
+    with pytest.raises(StoreMismatch, match=r"target_layer_ids: store has \[1, 2, 3\], wanted \[1, 2, 4\]"):
+        ZarrSink(tmp_path, manifest(target_layer_ids=[1, 2, 4]))
+    path = tmp_path / "manifest.json"
+    path.write_text(path.read_text().replace('"format_version": 1', '"format_version": 99'))
+    with pytest.raises(StoreMismatch, match="format version 99"):
+        ZarrStore(tmp_path)
+
+
+def test_not_a_store(tmp_path):
+    with pytest.raises(StoreError, match="not a dspark store"):
+        ZarrStore(tmp_path)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 2 MiB filesystem, to fill up for real (needs root; CI runs as root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_disk_full_keeps_the_store_valid(tiny_fs):
+    root = tiny_fs / "store"
+    sink = ZarrSink(root, manifest())
+    with pytest.raises(StoreError, match="free disk space"):
+        for i in range(100_000):
+            sink.write(make_sample(i, n=64))
+    store = ZarrStore(root)
+    assert len(store) > 10
+    assert all(store.damaged(i) is None for i in store.sample_ids)
+    # nothing half-written is left behind but zarr's cleaned-up temp files
+    assert not list(root.rglob("*.partial"))
