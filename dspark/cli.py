@@ -129,6 +129,65 @@ def extract(fp8, no_progress, **kw):
     _echo_json(run_extract(cfg, progress=not no_progress))
 
 
+def _train_options(f):
+    """The seed's `train.py` flags, under their names."""
+    opts = [
+        click.option("--from", "source", type=click.Choice(["zarr"]), default="zarr", show_default=True,
+                     help="Where hidden states come from."),
+        click.option("--store", required=True, help="Zarr store written by `dspark extract`."),
+        click.option("--data-path", required=True, help="The prepared folder the store was extracted from."),
+        click.option("--verifier-name-or-path", required=True),
+        click.option("--trust-remote-code", is_flag=True),
+        click.option("--save-path", required=True, help="Run folder (resumed if it exists)."),
+        click.option("--draft-config", default=None, help="JSON file with the draft decoder layer config."),
+        click.option("--num-layers", type=int, default=1, show_default=True, help="Draft decoder layers."),
+        click.option("--draft-vocab-size", type=int, default=None, help="Reduced draft vocabulary (from prepare's token frequencies)."),
+        click.option("--mask-token-id", type=int, default=None, help="Default: the tokenizer's mask token."),
+        click.option("--epochs", type=int, default=1, show_default=True),
+        click.option("--checkpoint-freq", type=float, default=1.0, show_default=True, help="Fraction of an epoch."),
+        click.option("--total-seq-len", type=int, default=2048, show_default=True, help="Tokens per packed batch."),
+        click.option("--train-data-ratio", type=float, default=0.9, show_default=True),
+        click.option("--speculator-type", default="dspark", show_default=True),
+        click.option("--target-layer-ids", cls=IntList, required=True),
+        click.option("--block-size", type=int, default=8, show_default=True),
+        click.option("--max-anchors", type=int, default=512, show_default=True),
+        click.option("--dflash-decay-gamma", type=float, default=4.0, show_default=True),
+        click.option("--markov-rank", type=int, default=256, show_default=True, help="0 disables the Markov head."),
+        click.option("--markov-head-type", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla", show_default=True),
+        click.option("--enable-confidence-head/--no-enable-confidence-head", default=True, show_default=True),
+        click.option("--confidence-head-with-markov/--no-confidence-head-with-markov", default=True, show_default=True),
+        click.option("--confidence-head-alpha", type=float, default=1.0, show_default=True),
+        click.option("--loss-fn", default='{"ce": 0.1, "tv": 0.9}', show_default=True),
+        click.option("--optimizer", type=click.Choice(["muon", "adamw"]), default="muon", show_default=True),
+        click.option("--lr", type=float, default=1e-3, show_default=True),
+        click.option("--weight-decay", type=float, default=0.0, show_default=True),
+        click.option("--scheduler-type", type=click.Choice(["cosine", "linear", "none"]), default="cosine", show_default=True),
+        click.option("--scheduler-warmup-ratio", type=float, default=0.03, show_default=True),
+        click.option("--max-grad-norm", type=float, default=1.0, show_default=True),
+        click.option("--num-workers", type=int, default=2, show_default=True, help="Reader threads."),
+        click.option("--prefetch-factor", type=int, default=4, show_default=True, help="Batches read ahead."),
+        click.option("--log-freq", type=int, default=10, show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True),
+        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
+        click.option("--max-steps", type=int, default=None, help="Stop after this many steps (resumable)."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+@main.command()
+@_train_options
+@click.option("--force", is_flag=True, help="Resume even if the config or store changed.")
+@click.option("--no-progress", is_flag=True)
+def train(force, no_progress, **kw):
+    """Train a DSpark drafter on stored hidden states (resumes from --save-path)."""
+    from dspark.train.config import TrainConfig
+    from dspark.train.loop import Trainer
+
+    _echo_json(Trainer(TrainConfig(**kw), force=force, progress=not no_progress).fit())
+
+
 @main.group()
 def store():
     """Inspect and check hidden-state stores."""

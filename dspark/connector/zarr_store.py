@@ -22,6 +22,7 @@ Why it is safe without locks:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import struct
@@ -41,7 +42,7 @@ from zarr.codecs import BloscCodec
 
 from dspark.connector.base import Sample, register_sink
 from dspark.connector.encoding import decode, encode, sample_crc, stored_numpy_dtype
-from dspark.connector.manifest import StoreManifest
+from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import StoreError
 
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
@@ -197,6 +198,14 @@ class ZarrStore:
         if sample_crc(tokens, payload, scales) != e.crc:
             return "checksum mismatch"
         return None
+
+    def fingerprint(self) -> str:
+        """Identity of the content: manifest identity plus every sample's id, length and checksum."""
+        h = hashlib.sha256(self.manifest.model_dump_json(include=set(IDENTITY_FIELDS)).encode())
+        for sid in self.sample_ids:
+            e = self._index[sid]
+            h.update(struct.pack("<qqI", sid, e.length, e.crc))
+        return h.hexdigest()
 
     def disk_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.root.rglob("*") if p.is_file())

@@ -1,0 +1,139 @@
+"""Training data: split, pack, collate and read ahead.
+
+Samples come from a source (anything with `read(id) -> Sample`, `sample_ids`,
+`manifest`: the Zarr store, or the tiered Mooncake+cache source) and their loss
+masks from the prepared data. Packing and order are a pure function of (seed,
+epoch), so a resumed run sees exactly the batches the uninterrupted one saw.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from dspark.connector.base import Sample
+from dspark.errors import InputError, StoreMismatch
+from dspark.prepare import PreparedData
+
+
+class TrainData:
+    def __init__(self, source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int):
+        m = source.manifest
+        if m.prepared_fingerprint != prepared.fingerprint:
+            raise StoreMismatch(f"the store was extracted from other prepared data than {prepared.path}",
+                                "pass the --data-path the store was extracted from")
+        self.source, self.prepared = source, prepared
+        self.total_seq_len, self.seed = total_seq_len, seed
+        self.num_targets = len(m.target_layer_ids)
+        ids = np.array([i for i in range(len(prepared))], dtype=np.int64)
+        perm = np.random.default_rng(seed).permutation(ids)
+        n_train = int(round(train_ratio * len(ids)))
+        self.train_ids, self.val_ids = sorted(perm[:n_train].tolist()), sorted(perm[n_train:].tolist())
+        for name, split in (("train", self.train_ids), ("validation", self.val_ids)):
+            if not split:
+                raise InputError(f"the {name} split is empty ({len(ids)} samples, --train-data-ratio {train_ratio})",
+                                 "use more data or a --train-data-ratio that leaves samples on both sides")
+
+    def _pack(self, ids: list[int]) -> list[list[int]]:
+        """Greedy sequential packing into bins of total_seq_len tokens."""
+        bins, cur, used = [], [], 0
+        for i in ids:
+            n = min(self.prepared.length(i), self.total_seq_len)
+            if cur and used + n > self.total_seq_len:
+                bins.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += n
+        if cur:
+            bins.append(cur)
+        return bins
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.train_ids).tolist()
+        return self._pack(order)
+
+    def val_batches(self) -> list[list[int]]:
+        return self._pack(self.val_ids)
+
+    def collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """Pack samples into speculators' batch layout (every tensor with a leading 1)."""
+        L, T = self.num_targets, self.total_seq_len
+        ids, masks, hidden, docs, pos = [], [], [], [], []
+        for d, s in enumerate(samples):
+            tok, mask = self.prepared.sample(s.sample_id)
+            n = min(len(tok), T)
+            if not np.array_equal(s.token_ids[:n], tok[:n]):
+                raise StoreMismatch(f"sample {s.sample_id}: the store's token ids differ from the prepared data",
+                                    "the store was made from other data; re-extract it")
+            ids.append(torch.from_numpy(tok[:n]))
+            masks.append(torch.from_numpy(mask[:n].astype(np.int64)))
+            hidden.append(s.hidden_states[:n])
+            docs.append(torch.full((n,), d, dtype=torch.long))
+            pos.append(torch.arange(n))
+        h = torch.cat(hidden)  # [S, L+1, H]
+        return {
+            "hidden_states": h[:, :L].reshape(1, h.shape[0], -1),
+            "verifier_last_hidden_states": h[:, L].unsqueeze(0),
+            "input_ids": torch.cat(ids).unsqueeze(0),
+            "loss_mask": torch.cat(masks).unsqueeze(0),
+            "document_ids": torch.cat(docs).unsqueeze(0),
+            "position_ids": torch.cat(pos).unsqueeze(0),
+        }
+
+
+class Loader:
+    """Iterates collated batches, reading `prefetch` batches ahead on background threads.
+
+    `wait_seconds` counts the time the training loop spent blocked on data.
+    """
+
+    def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4):
+        self.data, self.batches = data, batches
+        self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
+        self.wait_seconds = 0.0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        q: queue.Queue = queue.Queue(self.prefetch)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                with ThreadPoolExecutor(self.num_workers) as pool:
+                    for b in self.batches:
+                        samples = list(pool.map(self.data.source.read, b))
+                        item = self.data.collate(samples)
+                        while not stop.is_set():
+                            try:
+                                q.put(item, timeout=0.1)
+                                break
+                            except queue.Full:
+                                continue
+                        if stop.is_set():
+                            return
+            except BaseException as e:  # hand the failure to the consumer, which re-raises it
+                q.put(e)
+                return
+            q.put(None)
+
+        t = threading.Thread(target=produce, daemon=True, name="dspark-loader")
+        t.start()
+        try:
+            while True:
+                t0 = time.perf_counter()
+                item = q.get()
+                self.wait_seconds += time.perf_counter() - t0
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()

@@ -1,0 +1,272 @@
+"""The training loop: short and readable, CPU or CUDA, single process or torchrun.
+
+One step: read-ahead loader -> packed batch -> DSparkDraftModel forward (loss and
+metrics from speculators) -> backward -> clip -> optimizer(s) -> schedule.
+Every `log_freq` steps the window's metrics go to metrics.jsonl; every
+`checkpoint_freq` of an epoch we validate and checkpoint everything a resume
+needs to continue bit for bit: weights, optimizer, schedule, RNG, data position.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.errors import InputError, StoreMismatch
+from dspark.fingerprint import tokenizer_hash
+from dspark.prepare import PreparedData
+from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
+from dspark.train.config import TrainConfig
+from dspark.train.data import Loader, TrainData
+from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
+from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_kind: str) -> Dist:
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist()
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def open_source(cfg: TrainConfig):
+    """The training data source named by --from (only zarr is wired up in this module)."""
+    if cfg.source == "zarr":
+        from dspark.connector.zarr_store import ZarrStore
+
+        return ZarrStore(cfg.store)
+    raise InputError(f"--from {cfg.source} is not available", "use --from zarr")
+
+
+def check_store(source, cfg: TrainConfig) -> None:
+    """The store must hold this verifier's states at these layers."""
+    from transformers import AutoConfig
+
+    m = source.manifest
+    vcfg = AutoConfig.from_pretrained(cfg.verifier_name_or_path, trust_remote_code=cfg.trust_remote_code)
+    vcfg = getattr(vcfg, "text_config", vcfg)
+    problems = []
+    if m.hidden_size != vcfg.hidden_size:
+        problems.append(f"hidden size: store {m.hidden_size}, verifier {vcfg.hidden_size}")
+    if m.target_layer_ids != list(cfg.target_layer_ids):
+        problems.append(f"layer ids: store {m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)}")
+    if m.tokenizer_hash != tokenizer_hash(Path(cfg.verifier_name_or_path)):
+        problems.append("tokenizer hash differs from the verifier's")
+    if problems:
+        raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: "
+                            + "; ".join(problems), "train with the verifier and layer ids the store was extracted with")
+
+
+def versions() -> dict:
+    pkgs = ("dspark", "torch", "speculators", "transformers", "zarr", "numpy")
+    return {**{p: version(p) for p in pkgs}, "python": platform.python_version()}
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {k: v.to(device, dtype=dtype if v.is_floating_point() else v.dtype, non_blocking=True)
+            for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True):
+        self.cfg = cfg.validate()
+        self.dist = setup_distributed("cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        self.device = pick_device(cfg.device, self.dist.local_rank)
+        self.progress = progress and self.dist.main
+        seed_everything(cfg.seed)
+        self.source = open_source(cfg)
+        check_store(self.source, cfg)
+        self.prepared = PreparedData(cfg.data_path)
+        self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed)
+        self.model = build_model(cfg, self.prepared, self.device)
+        self.loss_kw = loss_kwargs(self.model, cfg, self.device)
+        self.epoch_plan = [self._my_batches(self.data.epoch_batches(e)) for e in range(cfg.epochs)]
+        self.total_steps = sum(map(len, self.epoch_plan))
+        if self.total_steps == 0:
+            raise InputError("no training batches", "use more data or fewer processes")
+        self.opts = build_optimizers(self.model, cfg)
+        self.scheds = build_schedulers(self.opts, cfg, self.total_steps)
+        self.run = RunDir(cfg.save_path)
+        self.state = {"epoch": 0, "batch": 0, "step": 0, "best_val_loss": math.inf}
+        self._start_or_resume(force)
+        self.log = MetricLog(self.run.metrics_path) if self.dist.main else None
+        if self.dist.main and self.state["step"] > 0:
+            self.log.truncate_after(self.state["step"])
+        self.wrapped = self.model
+        if self.dist.world > 1:
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                find_unused_parameters=True)
+
+    def _my_batches(self, batches: list) -> list:
+        """This rank's share; every rank gets the same count so collectives line up."""
+        n = len(batches) // self.dist.world * self.dist.world
+        return batches[self.dist.rank : n : self.dist.world]
+
+    def _record(self) -> dict:
+        return {"train": self.cfg.to_dict(), "store_fingerprint": self.source.fingerprint(),
+                "prepared_fingerprint": self.prepared.fingerprint, "seed": self.cfg.seed,
+                "world_size": self.dist.world, "device": str(self.device.type), "versions": versions()}
+
+    def _start_or_resume(self, force: bool) -> None:
+        rec = self.run.record()
+        if rec is not None:
+            diffs = TrainConfig.from_dict(rec["train"]).differences(self.cfg)
+            if diffs and not force:
+                raise InputError(f"run {self.run.root} was started with another config (differs in: "
+                                 f"{', '.join(diffs)})", "use a new --save-path, or pass --force to resume anyway")
+            if rec["store_fingerprint"] != self.source.fingerprint() and not force:
+                raise StoreMismatch(f"the store changed since run {self.run.root} started",
+                                    "resume against the original store, or pass --force")
+        ckpt = self.run.checkpoint("latest")
+        if ckpt is None:
+            if self.dist.main:
+                self.run.write_record(self._record())
+                self.run.metrics_path.unlink(missing_ok=True)
+            return
+        from safetensors.torch import load_file
+
+        self.model.load_state_dict(load_file(ckpt / "model.safetensors", device=str(self.device)), strict=False)
+        st = load_trainer_state(ckpt)
+        for o, s in zip(self.opts, st["optimizers"]):
+            o.load_state_dict(s)
+        for sch, s in zip(self.scheds, st["schedulers"]):
+            sch.load_state_dict(s)
+        set_rng_state(st["rng"][self.dist.rank] if isinstance(st["rng"], list) else st["rng"])
+        self.state = st["state"]
+        if self.progress:
+            print(f"resuming {self.run.root} from {ckpt.name} (epoch {self.state['epoch']}, step {self.state['step']})")
+
+    # --- one step, validation, checkpoint ------------------------------------
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+
+    def step(self, batch: dict) -> dict:
+        self.wrapped.train()
+        with self._autocast():
+            _, loss, metrics = self.wrapped(**_to_device(batch, self.device), **self.loss_kw)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        for o in self.opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+        for s in self.scheds:
+            s.step()
+        metrics["grad_norm_sum"], metrics["grad_norm_total"] = grad_norm.detach(), torch.ones(())
+        return metrics
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, float]:
+        """Validation under a fixed seed (anchor sampling is random) that leaves the training RNG untouched."""
+        self.model.eval()
+        acc: dict[str, float] = {}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.cfg.seed)
+            for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
+                                self.cfg.num_workers, self.cfg.prefetch_factor):
+                with self._autocast():
+                    _, _, metrics = self.model(**_to_device(batch, self.device), **self.loss_kw)
+                accumulate(acc, metrics)
+        return reduce(all_reduce(acc, self.device))
+
+    def checkpoint(self) -> None:
+        val = self.validate()
+        best = val["loss"] < self.state["best_val_loss"]
+        if best:
+            self.state["best_val_loss"] = val["loss"]
+        rngs = [rng_state()]
+        if self.dist.world > 1:
+            import torch.distributed as dist
+
+            rngs = [None] * self.dist.world
+            dist.all_gather_object(rngs, rng_state())
+        if self.dist.main:
+            self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val", "metrics": val})
+            self.run.save(self.state["step"], self.model, {
+                "state": dict(self.state), "rng": rngs,
+                "optimizers": [o.state_dict() for o in self.opts],
+                "schedulers": [s.state_dict() for s in self.scheds]}, best)
+        if self.dist.world > 1:
+            torch.distributed.barrier()
+
+    # --- the loop --------------------------------------------------------------
+    def fit(self) -> dict:
+        from tqdm import tqdm
+
+        cfg, st = self.cfg, self.state
+        bar = tqdm(total=self.total_steps, initial=st["step"], desc="train", unit="step", disable=not self.progress)
+        window: dict[str, float] = {}
+        stop_at = cfg.max_steps if cfg.max_steps is not None else self.total_steps
+        while st["epoch"] < cfg.epochs and st["step"] < stop_at:
+            batches = self.epoch_plan[st["epoch"]]
+            every = max(1, round(cfg.checkpoint_freq * len(batches)))
+            loader = Loader(self.data, batches[st["batch"]:], cfg.num_workers, cfg.prefetch_factor)
+            compute = 0.0
+            for batch in loader:
+                start = time.perf_counter()
+                accumulate(window, self.step(batch))
+                compute += time.perf_counter() - start
+                st["step"] += 1
+                st["batch"] += 1
+                bar.update()
+                if st["step"] % cfg.log_freq == 0:
+                    metrics = reduce(all_reduce(window, self.device))
+                    metrics["lr"] = self.scheds[0].get_last_lr()[0]
+                    wait = loader.wait_seconds
+                    if self.dist.main:  # timing is recorded, never compared by replay
+                        self.log.write({"step": st["step"], "epoch": st["epoch"], "split": "train", "metrics": metrics,
+                                        "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}})
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
+                    window = {}
+                if st["batch"] == len(batches):
+                    st["epoch"] += 1
+                    st["batch"] = 0
+                    self.checkpoint()
+                elif st["batch"] % every == 0:
+                    self.checkpoint()
+                if st["step"] >= stop_at:
+                    break
+        bar.close()
+        if self.dist.world > 1:
+            torch.distributed.destroy_process_group()
+        return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
+                "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest"))}

@@ -1,0 +1,102 @@
+"""Build speculators' DSparkDraftModel for our loop, and its optimizer and schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from dspark.errors import InputError
+from dspark.prepare import PreparedData, load_tokenizer
+from dspark.train.config import TrainConfig
+
+
+def attn_impl(device: torch.device) -> str:
+    # flex attention has no CPU backward; sdpa works everywhere.
+    return "simple_flex_attention" if device.type == "cuda" else "sdpa"
+
+
+def loss_impl(device: torch.device) -> str:
+    return "fused" if device.type == "cuda" else "eager"  # the fused losses are Triton kernels
+
+
+def vocab_mappings(cfg: TrainConfig, prepared: PreparedData, verifier_vocab: int):
+    """t2d/d2t for a reduced draft vocabulary, from prepare's token frequencies."""
+    if cfg.draft_vocab_size is None or cfg.draft_vocab_size >= verifier_vocab:
+        return None, None, verifier_vocab
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    d2t, t2d = build_vocab_mappings_from_distribution(prepared.token_freq(), cfg.draft_vocab_size, verifier_vocab)
+    return t2d, d2t, cfg.draft_vocab_size
+
+
+def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
+    from speculators.models.dspark import DSparkDraftModel
+    from speculators.models.utils import get_verifier_config
+    from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
+
+    verifier = cfg.verifier_name_or_path
+    if not (Path(verifier) / "config.json").exists():
+        raise InputError(f"verifier {verifier} has no config.json",
+                         "pass --verifier-name-or-path the local verifier folder used for extraction")
+    vcfg = get_verifier_config(verifier, trust_remote_code=cfg.trust_remote_code)
+    if cfg.draft_config:
+        layer_cfg = load_draft_transformer_layer_config(cfg.draft_config, verifier, cfg.trust_remote_code)
+    else:
+        layer_cfg = create_transformer_layer_config(
+            verifier, cfg.num_layers, "qwen3", None, sliding_window=cfg.total_seq_len,
+            full_attention_indices=list(range(cfg.num_layers)), trust_remote_code=cfg.trust_remote_code)
+    mask_token_id = cfg.mask_token_id
+    if mask_token_id is None:
+        mask_token_id = load_tokenizer(verifier, cfg.trust_remote_code).mask_token_id
+    if mask_token_id is None:
+        raise InputError(f"the tokenizer of {verifier} has no mask token", "pass --mask-token-id")
+    t2d, d2t, draft_vocab = vocab_mappings(cfg, prepared, vcfg.vocab_size)
+    model = DSparkDraftModel.from_training_args(
+        verifier_config=layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
+        target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, block_size=cfg.block_size,
+        mask_token_id=mask_token_id, draft_attn_impl=attn_impl(device), markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
+        confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
+        trust_remote_code=cfg.trust_remote_code)
+    return model.to(device)
+
+
+def loss_kwargs(model, cfg: TrainConfig, device: torch.device) -> dict:
+    train_kw, _ = type(model).get_trainer_kwargs(
+        loss_fn=cfg.loss_fn, loss_implementation=loss_impl(device), max_anchors=cfg.max_anchors,
+        dflash_decay_gamma=cfg.dflash_decay_gamma, confidence_head_alpha=cfg.confidence_head_alpha)
+    return train_kw
+
+
+def _muon_param(name: str, p: torch.Tensor) -> bool:
+    # Muon orthogonalizes hidden-layer matrices; embedding tables (the Markov W1 too) and
+    # output projections stay on AdamW, as in the Muon paper's recipe.
+    return p.ndim == 2 and not any(k in name for k in ("embed", "lm_head", "markov_w1", "markov_w2"))
+
+
+def build_optimizers(model, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.optimizer == "muon":
+        muon = [p for n, p in params if _muon_param(n, p)]
+        rest = [p for n, p in params if not _muon_param(n, p)]
+        return [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    return [torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=cfg.weight_decay)]
+
+
+def lr_lambda(kind: str, warmup: int, total: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if kind == "none":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return f
+
+
+def build_schedulers(opts, cfg: TrainConfig, total_steps: int):
+    warmup = int(cfg.scheduler_warmup_ratio * total_steps)
+    return [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg.scheduler_type, warmup, total_steps)) for o in opts]
