@@ -68,6 +68,12 @@ class IntList(click.Option):
 @click.version_option(package_name="dspark")
 def main():
     """Turn a verifier LLM plus chat data into a vLLM-servable DSpark drafter."""
+    # Our own progress bars say what is happening; the libraries' per-file bars and
+    # INFO chatter would bury them. Users can override any of these.
+    for key, value in (("TOKENIZERS_PARALLELISM", "false"), ("LOGURU_LEVEL", "ERROR"),
+                       ("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+                       ("HF_HUB_OFFLINE", "1")):  # offline-first: models are local folders
+        os.environ.setdefault(key, value)
 
 
 @main.command("toy-verifier")
@@ -188,6 +194,54 @@ def train(force, no_progress, **kw):
     _echo_json(Trainer(TrainConfig(**kw), force=force, progress=not no_progress).fit())
 
 
+@main.command("eval")
+@click.option("--checkpoint", required=True, help="A checkpoint folder, e.g. RUN/latest.")
+@click.option("--store", required=True)
+@click.option("--data-path", default=None, help="Prepared data (default: the run's).")
+@click.option("--verifier-name-or-path", default=None, help="Verifier folder (default: the run's).")
+@click.option("--split", type=click.Choice(["val", "all"]), default="val", show_default=True)
+@click.option("--output", default=None, help="Folder for eval.json/.md/.png (default: CHECKPOINT/eval).")
+@click.option("--device", default="auto", show_default=True)
+def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device):
+    """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG)."""
+    from dspark.evaluate import markdown, run_eval
+
+    result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device)
+    click.echo(markdown(result))
+    click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
+
+
+@main.command("export")
+@click.argument("checkpoint")
+@click.option("--output", required=True)
+@click.option("--verifier-name", required=True, help="How vLLM users name the verifier, e.g. Org/Model.")
+def export_cmd(checkpoint, output, verifier_name):
+    """Write a vLLM-loadable drafter folder and print its `vllm serve` line."""
+    from dspark.export import export
+
+    result = export(checkpoint, output, verifier_name)
+    click.echo(result["serve"])
+    click.echo(f"wrote {result['export']} (config.json, model.safetensors, README.md)")
+
+
+@main.command("replay")
+@click.argument("run")
+@click.option("--store", default=None, help="The run's store, if it moved.")
+@click.option("--tolerance", type=float, default=0.0, show_default=True, help="Relative/absolute (GPU runs).")
+@click.option("--no-progress", is_flag=True)
+def replay_cmd(run, store, tolerance, no_progress):
+    """Retrain RUN from its record and prove every logged metric reproduces."""
+    from dspark.replay import replay
+
+    result = replay(run, store, tolerance, progress=not no_progress)
+    _echo_json(result)
+    if result["reproduced"]:
+        click.secho(f"REPRODUCED: {result['records']} records, {result['metrics_compared']} metrics match", fg="green")
+    else:
+        click.secho(f"DIVERGED: {result['first_divergence']}", fg="red", err=True)
+        sys.exit(1)
+
+
 @main.group()
 def store():
     """Inspect and check hidden-state stores."""
@@ -224,5 +278,4 @@ def store_verify(path, no_progress):
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main()

@@ -4,6 +4,8 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2-core CI boxes: more threads make tiny steps slower
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: fail fast instead of retrying
+os.environ.setdefault("LOGURU_LEVEL", "ERROR")
 
 import json
 import subprocess

@@ -74,6 +74,15 @@ class RunDir:
         return final
 
 
+def require_checkpoint(path: str | Path) -> Path:
+    """A speculators-format checkpoint folder, resolved (follows `latest`/`best`), or a clear error."""
+    ckpt = Path(path).resolve()
+    if not (ckpt / "config.json").exists() or not (ckpt / "model.safetensors").exists():
+        raise InputError(f"{path} is not a checkpoint (config.json + model.safetensors)",
+                         "pass a checkpoint folder, e.g. RUN/latest or RUN/best")
+    return ckpt
+
+
 def load_trainer_state(ckpt: Path) -> dict:
     path = ckpt / "trainer_state.pt"
     if not path.exists():

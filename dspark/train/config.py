@@ -97,4 +97,4 @@ class TrainConfig:
 
     def differences(self, other: TrainConfig) -> list[str]:
         a, b = self.to_dict(), other.to_dict()
-        return [k for k in a if k not in RESULT_NEUTRAL and a[k] != b[k]]
+        return sorted(k for k in a if k not in RESULT_NEUTRAL and a[k] != b[k])

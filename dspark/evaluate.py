@@ -1,0 +1,222 @@
+"""`dspark eval`: per-position acceptance of a checkpoint on held-out stored samples.
+
+Every supervised position is an anchor (all blocks are scored, none sampled).
+For block slot k we report the greedy match rate (argmax draft == argmax
+verifier) and the analytical acceptance 1 - TV(draft, verifier) that rejection
+sampling achieves, the same per position conditioned on all earlier slots being
+accepted, and the mean acceptance length tau (accepted drafts + the bonus token),
+overall and by context length (tokens before the anchor in its conversation).
+
+The numbers are computed from speculators' own forward: we observe the logits,
+targets and anchors it produces rather than re-implementing the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.errors import InputError
+
+BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+
+
+@contextmanager
+def observe_forward():
+    """Record the (logits, targets, loss mask, anchors) speculators computes inside forward."""
+    import speculators.models.dflash.core as dflash_core
+    import speculators.models.dspark.core as dspark_core
+
+    seen: dict = {}
+    metrics_fn, anchors_fn = dspark_core.compute_metrics, dflash_core.select_anchors
+
+    def metrics_spy(logits, targets, confidence_logits, loss_mask, *a, **kw):
+        seen.update(logits=logits, targets=targets, confidence=confidence_logits, mask=loss_mask)
+        return metrics_fn(logits, targets, confidence_logits, loss_mask, *a, **kw)
+
+    def anchors_spy(*a, **kw):
+        seen["anchors"] = anchors_fn(*a, **kw)
+        return seen["anchors"]
+
+    dspark_core.compute_metrics, dflash_core.select_anchors = metrics_spy, anchors_spy
+    try:
+        yield seen
+    finally:
+        dspark_core.compute_metrics, dflash_core.select_anchors = metrics_fn, anchors_fn
+
+
+def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
+    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
+
+    from dspark.train.checkpoint import require_checkpoint
+    from dspark.train.model import attn_impl
+
+    ckpt = require_checkpoint(ckpt)
+    config = DSparkSpeculatorConfig.from_pretrained(ckpt)
+    config.transformer_layer_config._attn_implementation = attn_impl(device)
+    verifier = verifier or config.speculators_config.verifier.name_or_path
+    if not verifier or not Path(verifier).exists():
+        raise InputError(f"the verifier {verifier!r} named by {ckpt} is not a local folder",
+                         "pass --verifier-name-or-path the verifier folder")
+    # The drafter borrows the verifier's embeddings, final norm and lm_head from this path.
+    config.speculators_config.verifier.name_or_path = str(verifier)
+    return DSparkDraftModel.from_pretrained(ckpt, config=config).to(device).eval()
+
+
+def _buckets(ctx: np.ndarray) -> list[tuple[int, int]]:
+    edges = [e for e in BUCKET_EDGES if e <= ctx.max()] + [int(ctx.max()) + 1]
+    return [(a, b) for a, b in zip(edges, edges[1:]) if ((ctx >= a) & (ctx < b)).any()]
+
+
+def evaluate(model, data, batches, device: torch.device, seed: int = 0) -> dict:
+    from tqdm import tqdm
+
+    from dspark.train.data import Loader
+    from dspark.train.loop import _to_device
+    from dspark.train.model import loss_kwargs
+    from dspark.train.config import TrainConfig
+
+    B = model.block_size
+    match, accept, conf, mask, ctx = [], [], [], [], []
+    cfg = TrainConfig(store="", data_path="", verifier_name_or_path="", save_path="", target_layer_ids=[],
+                      loss_fn='{"ce": 0.1, "tv": 0.9}')
+    torch.manual_seed(seed)
+    for batch in tqdm(Loader(data, batches), desc="eval", unit="batch", leave=False):
+        n_anchor = int(batch["loss_mask"][0, :-B].sum())
+        if n_anchor == 0:
+            continue
+        cfg.max_anchors = n_anchor
+        kw = loss_kwargs(model, cfg, device)
+        with torch.no_grad(), observe_forward() as seen:
+            model(**_to_device(batch, device), **kw)
+        logits, targets = seen["logits"][0].float(), seen["targets"][0].float()
+        tv = 0.5 * (logits.softmax(-1) - targets.softmax(-1)).abs().sum(-1)
+        anchors, valid = seen["anchors"]
+        keep = valid.cpu().numpy()
+        match.append((logits.argmax(-1) == targets.argmax(-1)).view(-1, B).cpu().numpy()[keep])
+        accept.append((1 - tv).view(-1, B).cpu().numpy()[keep])
+        mask.append(seen["mask"][0].view(-1, B).cpu().numpy()[keep].astype(bool))
+        if seen["confidence"] is not None:
+            conf.append(seen["confidence"][0].float().sigmoid().view(-1, B).cpu().numpy()[keep])
+        ctx.append(batch["position_ids"][0, anchors.cpu()].numpy()[keep] + 1)
+    if not match:
+        raise InputError("no supervised positions to evaluate", "evaluate on samples with assistant tokens")
+    match, accept, mask, ctx = (np.concatenate(x) for x in (match, accept, mask, ctx))
+    conf = np.concatenate(conf) if conf else None
+    return summarize(match, accept, conf, mask, ctx)
+
+
+def _tau(rate: np.ndarray, mask: np.ndarray) -> float:
+    """Mean over blocks of 1 + sum_k prod_{j<=k} rate_j (the bonus token always counts)."""
+    prefix = np.cumprod(np.where(mask, rate, 0.0), axis=1)
+    return float((1 + prefix.sum(1)).mean())
+
+
+def summarize(match, accept, conf, mask, ctx) -> dict:
+    m = mask.astype(float)
+    per_pos = m.sum(0)
+    denom = np.maximum(per_pos, 1)
+    greedy_prefix = np.cumprod(np.where(mask, match, 0.0), axis=1)
+    analytic_prefix = np.cumprod(np.where(mask, accept, 0.0), axis=1)
+    positions = []
+    for k in range(mask.shape[1]):
+        row = {"position": k + 1, "tokens": int(per_pos[k]),
+               "greedy_match": float((match[:, k] * m[:, k]).sum() / denom[k]),
+               "analytic_accept": float((accept[:, k] * m[:, k]).sum() / denom[k]),
+               "greedy_reach": float(greedy_prefix[:, k].mean()),
+               "analytic_reach": float(analytic_prefix[:, k].mean())}
+        if conf is not None:
+            row["confidence"] = float((conf[:, k] * m[:, k]).sum() / denom[k])
+        positions.append(row)
+    buckets = []
+    for a, b in _buckets(ctx):
+        sel = (ctx >= a) & (ctx < b)
+        buckets.append({"context": f"{a}-{b - 1}", "blocks": int(sel.sum()),
+                        "tau_greedy": _tau(match[sel], mask[sel]), "tau_analytic": _tau(accept[sel], mask[sel])})
+    return {"blocks": int(len(mask)), "tau_greedy": _tau(match, mask), "tau_analytic": _tau(accept, mask),
+            "positions": positions, "by_context": buckets}
+
+
+def markdown(result: dict) -> str:
+    has_conf = "confidence" in result["positions"][0]
+    lines = [f"tau (mean acceptance length, incl. bonus token): greedy **{result['tau_greedy']:.3f}**, "
+             f"analytic **{result['tau_analytic']:.3f}** over {result['blocks']} blocks", "",
+             "| pos | tokens | greedy match | 1-TV accept | greedy reach | analytic reach |"
+             + (" confidence |" if has_conf else ""),
+             "|---:|---:|---:|---:|---:|---:|" + ("---:|" if has_conf else "")]
+    for p in result["positions"]:
+        lines.append(f"| {p['position']} | {p['tokens']} | {p['greedy_match']:.3f} | {p['analytic_accept']:.3f} | "
+                     f"{p['greedy_reach']:.3f} | {p['analytic_reach']:.3f} |"
+                     + (f" {p['confidence']:.3f} |" if has_conf else ""))
+    lines += ["", "| context tokens | blocks | tau greedy | tau analytic |", "|---|---:|---:|---:|"]
+    lines += [f"| {b['context']} | {b['blocks']} | {b['tau_greedy']:.3f} | {b['tau_analytic']:.3f} |"
+              for b in result["by_context"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    pos = [p["position"] for p in result["positions"]]
+    for key, label in (("greedy_match", "greedy match"), ("analytic_accept", "1-TV accept"),
+                       ("greedy_reach", "greedy reach (cumulative)"), ("analytic_reach", "analytic reach (cumulative)"),
+                       ("confidence", "confidence head")):
+        if key in result["positions"][0]:
+            a.plot(pos, [p[key] for p in result["positions"]], marker="o", label=label,
+                   linestyle="--" if "reach" in key else "-")
+    a.set(xlabel="block position", ylabel="rate", ylim=(0, 1.02), title="per-position acceptance")
+    a.legend(fontsize=8)
+    a.grid(alpha=0.3)
+    names = [x["context"] for x in result["by_context"]]
+    x = np.arange(len(names))
+    b.bar(x - 0.2, [v["tau_greedy"] for v in result["by_context"]], 0.4, label="greedy")
+    b.bar(x + 0.2, [v["tau_analytic"] for v in result["by_context"]], 0.4, label="analytic")
+    b.set_xticks(x, names, rotation=30, fontsize=8)
+    b.set(xlabel="context tokens before the anchor", ylabel="tau", title="acceptance length by context")
+    b.legend(fontsize=8)
+    b.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str | None, output: str | None,
+             split: str, device: str = "auto") -> tuple[dict, Path]:
+    from dspark.connector.zarr_store import ZarrStore
+    from dspark.prepare import PreparedData
+    from dspark.train.checkpoint import require_checkpoint
+    from dspark.train.config import TrainConfig
+    from dspark.train.data import TrainData
+    from dspark.train.loop import pick_device
+
+    ckpt = require_checkpoint(checkpoint)
+    dev = pick_device(device, 0)
+    run_root = ckpt.parent.parent
+    run_cfg = TrainConfig.load(run_root) if (run_root / "config.json").exists() else None
+    data_path = data_path or (run_cfg.data_path if run_cfg else None)
+    if data_path is None:
+        raise InputError(f"{ckpt} is not inside a run folder, so the prepared data is unknown", "pass --data-path")
+    source = ZarrStore(store)
+    ratio = run_cfg.train_data_ratio if run_cfg else 0.9
+    seed = run_cfg.seed if run_cfg else 0
+    seq = run_cfg.total_seq_len if run_cfg else 2048
+    data = TrainData(source, PreparedData(data_path), seq, ratio, seed)
+    model = load_checkpoint(ckpt, verifier or (run_cfg.verifier_name_or_path if run_cfg else None), dev)
+    batches = data.val_batches() if split == "val" else data._pack(sorted(source.sample_ids))
+    result = evaluate(model, data, batches, dev, seed)
+    result.update(checkpoint=str(ckpt), store=str(store), split=split)
+    out = Path(output) if output else ckpt / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    (out / "eval.md").write_text(markdown(result))
+    plot(result, out / "eval.png", f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
+    return result, out

@@ -1,0 +1,58 @@
+"""`dspark export`: a checkpoint -> a folder vLLM loads, naming the verifier portably."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from dspark.errors import InputError
+
+VLLM_README = """# DSpark drafter for {verifier}
+
+Exported by dspark from `{source}`.
+
+Serve with vLLM (Model Runner V2):
+
+    {command}
+"""
+
+
+def vllm_command(verifier: str, export_dir: str, num_speculative_tokens: int) -> str:
+    spec = {"model": export_dir, "method": "dspark", "num_speculative_tokens": num_speculative_tokens,
+            "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
+    return f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"
+
+
+def _absolute_paths(obj, where="config") -> list[str]:
+    if isinstance(obj, dict):
+        return [p for k, v in obj.items() for p in _absolute_paths(v, f"{where}.{k}")]
+    if isinstance(obj, list):
+        return [p for i, v in enumerate(obj) for p in _absolute_paths(v, f"{where}[{i}]")]
+    return [where] if isinstance(obj, str) and (obj.startswith("/") or obj.startswith("./") or obj.startswith("~")) else []
+
+
+def export(checkpoint: str, output: str, verifier_name: str) -> dict:
+    from dspark.train.checkpoint import require_checkpoint
+
+    src = require_checkpoint(checkpoint)
+    if not verifier_name or verifier_name.startswith(("/", ".", "~")):
+        raise InputError(f"--verifier-name {verifier_name!r} is a local path",
+                         "name the verifier as vLLM users will load it, e.g. Org/Model")
+    config = json.loads((src / "config.json").read_text())
+    config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
+    config.pop("_name_or_path", None)
+    leftover = _absolute_paths(config)
+    if leftover:
+        raise InputError(f"the checkpoint config still holds local paths at {', '.join(leftover)}",
+                         "report this: an exported config must not name local files")
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
+    for code in src.glob("*.py"):  # speculators' save_pretrained ships its config class beside config.json
+        shutil.copyfile(code, out / code.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    command = vllm_command(verifier_name, str(out), tokens)
+    (out / "README.md").write_text(VLLM_README.format(verifier=verifier_name, source=src.name, command=command))
+    return {"export": str(out), "verifier": verifier_name, "serve": command}

@@ -1,0 +1,67 @@
+"""`dspark replay RUN`: retrain from the run's record against its store and compare every metric.
+
+The record (RUN/config.json) holds the resolved config and the store's content
+fingerprint. A replay refuses a store whose fingerprint differs (the result
+would differ for a known reason), retrains into RUN/replays/<n>, and compares
+each logged record's metrics: exactly by default (on CPU a replay is bit for
+bit), or within --tolerance for GPU runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from dspark.errors import InputError, StoreMismatch
+from dspark.train.checkpoint import RunDir
+from dspark.train.config import TrainConfig
+from dspark.train.metrics import MetricLog
+
+
+def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: float) -> str | None:
+    for i, (a, b) in enumerate(zip(recorded, replayed)):
+        where = f"record {i} (step {a['step']}, {a['split']})"
+        if (a["step"], a["split"]) != (b["step"], b["split"]):
+            return f"{where}: replay logged step {b['step']} {b['split']} instead"
+        for k in sorted(set(a["metrics"]) | set(b["metrics"])):
+            x, y = a["metrics"].get(k), b["metrics"].get(k)
+            if x is None or y is None:
+                return f"{where}: metric {k} only in the {'replay' if x is None else 'record'}"
+            if not (x == y or math.isclose(x, y, rel_tol=tolerance, abs_tol=tolerance)):
+                return f"{where}: {k} recorded {x!r}, replayed {y!r}"
+    if len(recorded) != len(replayed):
+        return f"the record has {len(recorded)} metric records, the replay {len(replayed)}"
+    return None
+
+
+def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True) -> dict:
+    from dspark.connector.zarr_store import ZarrStore
+    from dspark.train.loop import Trainer
+
+    rd = RunDir(run)
+    rec = rd.record()
+    if rec is None:
+        raise InputError(f"{run} is not a dspark run folder (no config.json)", "pass the --save-path of a run")
+    recorded = MetricLog(rd.metrics_path, tensorboard=False).read()
+    if not recorded:
+        raise InputError(f"run {run} logged no metrics yet", "replay a run that trained at least --log-freq steps")
+    cfg = TrainConfig.from_dict(rec["train"])
+    if store:
+        cfg.store = store
+    # A live run's cache is a Zarr store too: replays read it only, never the live store.
+    cfg.source = "zarr"
+    fp = ZarrStore(cfg.store).fingerprint()
+    if fp != rec["store_fingerprint"]:
+        raise StoreMismatch(f"store {cfg.store} is not the one run {run} trained on (content fingerprint "
+                            f"{fp[:12]} != recorded {rec['store_fingerprint'][:12]})",
+                            "replay against the original store (pass --store if it moved)")
+    n = len(list((rd.root / "replays").glob("*"))) if (rd.root / "replays").exists() else 0
+    out = rd.root / "replays" / f"{n:03d}"
+    cfg = replace(cfg, save_path=str(out), max_steps=max(r["step"] for r in recorded))
+    Trainer(cfg, progress=progress).fit()
+    replayed = MetricLog(out / "metrics.jsonl", tensorboard=False).read()
+    where = first_divergence(recorded, replayed, tolerance)
+    return {"run": str(rd.root), "replay": str(out), "records": len(recorded),
+            "metrics_compared": sum(len(r["metrics"]) for r in recorded[: len(replayed)]),
+            "reproduced": where is None, "first_divergence": where}
