@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole CPU path on the embedded default: toy verifier -> prepare -> extract -> store info.
-# Every step is resumable/idempotent: rerunning skips finished work.
+# The whole CPU path on the embedded default, a few minutes on 2 cores:
+#   toy verifier -> prepare -> extract -> train -> export -> eval (prints the acceptance table).
+# Every step is idempotent or resumable: rerunning skips finished work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARALLELISM=false
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 D=${DSPARK_DEMO:-cache}
 DATA=$(.venv/bin/python -c "from dspark.toy import demo_chat_path; print(demo_chat_path())")
 dspark() { .venv/bin/dspark "$@"; }
@@ -12,6 +13,15 @@ set -x
 dspark prepare --model "$D/models/tiny" --data "$DATA" --output "$D/prepared/demo" \
     --seq-length 512 --num-preprocessing-workers 2 --minimum-valid-tokens 16
 dspark extract --to zarr --model "$D/models/tiny" --data "$D/prepared/demo" \
-    --store "$D/stores/demo" --target-layer-ids 1 3 5
+    --store "$D/stores/demo" --target-layer-ids 1 3 5 --no-progress
 dspark store info "$D/stores/demo"
-dspark store verify "$D/stores/demo"
+dspark train --from zarr --store "$D/stores/demo" --data-path "$D/prepared/demo" \
+    --verifier-name-or-path "$D/models/tiny" --save-path "$D/runs/demo" \
+    --speculator-type dspark --target-layer-ids 1 3 5 --block-size 8 --max-anchors 64 \
+    --dflash-decay-gamma 4.0 --markov-rank 32 --markov-head-type vanilla \
+    --enable-confidence-head --confidence-head-with-markov --confidence-head-alpha 1.0 \
+    --loss-fn '{"ce":0.1,"tv":0.9}' --optimizer muon --lr 3e-3 --scheduler-type cosine \
+    --scheduler-warmup-ratio 0.03 --epochs 6 --checkpoint-freq 0.5 --train-data-ratio 0.9 \
+    --total-seq-len 1024 --log-freq 10 --seed 0
+dspark export "$D/runs/demo/latest" --output "$D/export/demo" --verifier-name dspark/tiny-verifier
+dspark eval --checkpoint "$D/runs/demo/latest" --store "$D/stores/demo"
