@@ -111,11 +111,35 @@ def prepare(**kw):
     _echo_json(summary)
 
 
+def _mooncake_options(f):
+    """The seed's Mooncake flags; `_mooncake_config(kw)` turns them into a MooncakeConfig."""
+    opts = [
+        click.option("--mooncake-master", default="127.0.0.1:50051", show_default=True),
+        click.option("--mooncake-metadata-server", default="P2PHANDSHAKE", show_default=True),
+        click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True),
+        click.option("--mooncake-device", default="", help="RDMA device name(s)."),
+        click.option("--mooncake-global-segment-gib", type=float, default=1.0, show_default=True,
+                     help="Memory this process contributes to the store (0 for a pure consumer)."),
+        click.option("--mooncake-local-buffer-gib", type=float, default=0.5, show_default=True),
+        click.option("--mooncake-writer-threads", type=int, default=2, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def _mooncake_config(kw: dict) -> dict:
+    """Pop the --mooncake-* options out of a command's kwargs into MooncakeConfig fields."""
+    return {name: kw.pop(f"mooncake_{name}") for name in
+            ("master", "metadata_server", "protocol", "device", "global_segment_gib", "local_buffer_gib",
+             "writer_threads")}
+
+
 @main.command()
 @click.option("--to", "to", default="zarr", show_default=True, help="Sink(s): zarr, mooncake or zarr,mooncake.")
 @click.option("--model", required=True)
 @click.option("--data", required=True, help="A folder written by `dspark prepare`.")
-@click.option("--store", required=True, help="Zarr store folder (created or resumed).")
+@click.option("--store", default=None, help="Zarr store folder (created or resumed); needed with --to zarr.")
 @click.option("--target-layer-ids", cls=IntList, required=True, help="e.g. `1 3 5` or `1,3,5`.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None, help="Override the verifier dtype (default: its config's).")
@@ -127,20 +151,30 @@ def prepare(**kw):
 @click.option("--verifier-name", default=None, help="Name recorded in the manifest (default: folder name).")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-progress", is_flag=True)
+@_mooncake_options
 def extract(fp8, no_progress, **kw):
-    """Capture verifier hidden states into the store (resumable, crash-safe)."""
+    """Capture verifier hidden states into a Zarr store and/or Mooncake (resumable, crash-safe).
+
+    --to mooncake streams each sample to the live store for a trainer reading with
+    --from mooncake (producer-driven, with back-pressure); --to zarr,mooncake tees.
+    """
+    from dspark.connector.mooncake import MooncakeConfig
     from dspark.extract.runner import ExtractConfig, run_extract
 
-    cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", **kw)
+    mooncake = MooncakeConfig(**_mooncake_config(kw))
+    cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", sink_options={"mooncake": mooncake}, **kw)
     _echo_json(run_extract(cfg, progress=not no_progress))
 
 
 def _train_options(f):
     """The seed's `train.py` flags, under their names."""
     opts = [
-        click.option("--from", "source", type=click.Choice(["zarr"]), default="zarr", show_default=True,
-                     help="Where hidden states come from."),
-        click.option("--store", required=True, help="Zarr store written by `dspark extract`."),
+        click.option("--from", "source", type=click.Choice(["zarr", "mooncake"]), default=None,
+                     help="Where hidden states come from (default zarr)."),
+        click.option("--hidden-states-backend", type=click.Choice(["zarr", "mooncake"]), default=None,
+                     help="The seed's name for --from."),
+        click.option("--store", "--cache", "store", required=True,
+                     help="Zarr store (--from zarr) or the local cache a live run fills (--from mooncake)."),
         click.option("--data-path", required=True, help="The prepared folder the store was extracted from."),
         click.option("--verifier-name-or-path", required=True),
         click.option("--trust-remote-code", is_flag=True),
@@ -182,16 +216,86 @@ def _train_options(f):
     return f
 
 
+def _live_options(f):
+    opts = [
+        click.option("--vllm-endpoint", default=None,
+                     help="Extraction server (vLLM + our connector, or `dspark serve`), e.g. http://host:8000/v1. "
+                          "Without it a live run waits for a producer (`dspark extract --to mooncake`)."),
+        click.option("--on-missing", type=click.Choice(["generate", "skip", "warn", "raise"]), default="generate",
+                     show_default=True, help="A sample not in the cache: fetch it live, or skip/warn/fail."),
+        click.option("--on-generate", type=click.Choice(["keep", "delete"]), default="keep", show_default=True,
+                     help="delete: free it from Mooncake once cached."),
+        click.option("--request-timeout", type=float, default=60.0, show_default=True),
+        click.option("--max-retries", type=int, default=3, show_default=True),
+        click.option("--generation-validation-retries", type=int, default=2, show_default=True),
+        click.option("--max-consecutive-generation-failures", type=int, default=8, show_default=True),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+LIVE_KEYS = ("vllm_endpoint", "on_missing", "on_generate", "request_timeout", "max_retries",
+             "generation_validation_retries", "max_consecutive_generation_failures")
+
+
 @main.command()
 @_train_options
+@_live_options
+@_mooncake_options
 @click.option("--force", is_flag=True, help="Resume even if the config or store changed.")
 @click.option("--no-progress", is_flag=True)
-def train(force, no_progress, **kw):
-    """Train a DSpark drafter on stored hidden states (resumes from --save-path)."""
+def train(force, no_progress, hidden_states_backend, source, **kw):
+    """Train a DSpark drafter on stored (or live) hidden states; resumes from --save-path."""
     from dspark.train.config import TrainConfig
     from dspark.train.loop import Trainer
 
-    _echo_json(Trainer(TrainConfig(**kw), force=force, progress=not no_progress).fit())
+    live = {k: kw.pop(k) for k in LIVE_KEYS}
+    live["endpoint"] = live.pop("vllm_endpoint")
+    live["mooncake"] = _mooncake_config(kw)
+    cfg = TrainConfig(source=source or hidden_states_backend or "zarr", live=live, **kw)
+    _echo_json(Trainer(cfg, force=force, progress=not no_progress).fit())
+
+
+@main.command()
+@click.option("--model", required=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--hidden-states-backend", "to", default="mooncake", show_default=True,
+              help="Sink(s): mooncake, zarr or zarr,mooncake.")
+@click.option("--store", default=None, help="Zarr store (with the zarr backend).")
+@click.option("--data", default=None, help="Prepared data (names the store identity; needed for zarr/mooncake keys).")
+@click.option("--target-layer-ids", cls=IntList, required=True)
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default=None)
+@click.option("--trust-remote-code", is_flag=True)
+@_mooncake_options
+def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, trust_remote_code, **kw):
+    """OpenAI-compatible extraction server (the CPU/test stand-in for vLLM + our KV connector)."""
+    import dspark.connector  # noqa: F401  (registers the sinks)
+    from dspark.connector.base import SINKS, parse_sinks
+    from dspark.connector.mooncake import MooncakeConfig
+    from dspark.errors import InputError
+    from dspark.extract.runner import build_manifest
+    from dspark.extract.serve import ExtractionService, make_server
+    from dspark.extract.transformers_engine import TransformersEngine
+    from dspark.prepare import PreparedData
+
+    if data is None:
+        raise InputError("dspark serve needs --data (the prepared folder the trainer uses)",
+                         "pass --data cache/prepared/NAME: it scopes the store identity and Mooncake keys")
+    engine = TransformersEngine(model, target_layer_ids, device, dtype, trust_remote_code)
+    manifest = build_manifest(model, target_layer_ids, PreparedData(data), dtype=engine.dtype_name,
+                              trust_remote_code=trust_remote_code)
+    mooncake = MooncakeConfig(**_mooncake_config(kw))
+    sinks = [SINKS[n](store=store, manifest=manifest, mooncake=mooncake) for n in parse_sinks(to)]
+    server = make_server(ExtractionService(engine, sinks, Path(model).name), host, port)
+    click.echo(f"dspark serve: {model} on http://{host}:{port}/v1 -> {to}", err=True)
+    try:
+        server.serve_forever()
+    finally:
+        for s in sinks:
+            s.close()
 
 
 @main.command("eval")

@@ -43,7 +43,7 @@ from zarr.codecs import BloscCodec
 from dspark.connector.base import Sample, register_sink
 from dspark.connector.encoding import decode, encode, sample_crc, stored_numpy_dtype
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
-from dspark.errors import StoreError
+from dspark.errors import InputError, StoreError
 
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
 _RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
@@ -346,6 +346,18 @@ class ZarrSink:
         self._known.add(p.sample_id)
         self.samples_written += 1
 
+    def flush(self) -> None:
+        """Make every sample written so far visible now (write-through caches need this).
+
+        The partial chunk is written and the next sample starts on a fresh chunk,
+        so chunks stay write-once at the cost of some padding.
+        """
+        if self._seg is None or self._buf.fill == 0:
+            return
+        self._flush_chunk()
+        C = self.manifest.chunk_tokens
+        self._pos = -(-self._pos // C) * C
+
     def close(self) -> None:
         if self._seg is None:
             return
@@ -355,5 +367,7 @@ class ZarrSink:
 
 
 @register_sink("zarr")
-def _make_zarr_sink(*, store: str | Path, manifest: StoreManifest, **_) -> ZarrSink:
+def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, **_) -> ZarrSink:
+    if store is None:
+        raise InputError("writing to zarr needs a store folder", "pass --store PATH")
     return ZarrSink(store, manifest)

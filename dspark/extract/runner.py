@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import dspark.connector  # noqa: F401  (registers every sink)
 from dspark.connector.base import SINKS, Sample, parse_sinks
 from dspark.connector.manifest import Codec, StoreManifest
 from dspark.connector.zarr_store import default_chunk_tokens
@@ -63,20 +64,37 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def build_manifest(engine, data: PreparedData, cfg: ExtractConfig) -> StoreManifest:
-    model = Path(cfg.model)
-    per_token = len(engine.captured_layer_ids) * engine.hidden_size * (1 if cfg.encoding == "fp8_e4m3" else 2)
+def build_manifest(model: str | Path, target_layer_ids: list[int], data: PreparedData, encoding: str = "raw",
+                   chunk_tokens: int | None = None, verifier_name: str | None = None, dtype: str | None = None,
+                   trust_remote_code: bool = False) -> StoreManifest:
+    """The store identity for states of `model` at these layers over this prepared data.
+
+    Built from the model's config alone, so a trainer filling a cache from a live
+    server agrees with an offline extraction byte for byte on what the store is.
+    """
+    from transformers import AutoConfig
+
+    from dspark.extract.transformers_engine import validate_layer_ids
+
+    model = Path(model)
+    if not (model / "config.json").exists():
+        raise InputError(f"model folder {model} has no config.json", "pass a local Hugging Face model folder")
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", cfg)
+    layers = validate_layer_ids(target_layer_ids, cfg.num_hidden_layers)
+    dtype = dtype or str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
+    per_token = (len(layers) + 1) * cfg.hidden_size * (1 if encoding == "fp8_e4m3" else 2)
     return StoreManifest(
-        verifier_name=cfg.verifier_name or model.resolve().name,
+        verifier_name=verifier_name or model.resolve().name,
         verifier_config_hash=model_config_hash(model),
         tokenizer_hash=tokenizer_hash(model),
-        target_layer_ids=engine.target_layer_ids,
-        num_hidden_layers=engine.num_layers,
-        hidden_size=engine.hidden_size,
-        dtype=engine.dtype_name,
-        encoding=cfg.encoding,
+        target_layer_ids=layers,
+        num_hidden_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        dtype=dtype,
+        encoding=encoding,
         codec=Codec(),
-        chunk_tokens=cfg.chunk_tokens or default_chunk_tokens(per_token),
+        chunk_tokens=chunk_tokens or default_chunk_tokens(per_token),
         prepared_fingerprint=data.fingerprint,
     )
 
@@ -93,7 +111,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
     engine = TransformersEngine(cfg.model, cfg.target_layer_ids, cfg.device, cfg.dtype, cfg.trust_remote_code)
-    manifest = build_manifest(engine, data, cfg)
+    manifest = build_manifest(cfg.model, cfg.target_layer_ids, data, cfg.encoding, cfg.chunk_tokens,
+                              cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code)
     sinks = []
     try:
         for n in names:
@@ -111,7 +130,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
                 sample = Sample(sid, tok, hidden)
                 for s in sinks:
                     if not s.has(sid):
-                        s.write(sample)
+                        getattr(s, "submit", s.write)(sample)  # Mooncake puts overlap the next forward
                 tokens += len(tok)
             bar.update(len(batch))
             dt = max(time.perf_counter() - t0, 1e-9)

@@ -9,7 +9,8 @@ from pathlib import Path
 from dspark.errors import InputError
 
 # Keys that may change when resuming or replaying without changing the result.
-RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device"}
+# The source too: a live run's cache holds exactly the samples it trained on.
+RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live"}
 
 
 @dataclass
@@ -51,7 +52,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     max_steps: int | None = None
-    extra: dict = field(default_factory=dict)
+    live: dict = field(default_factory=dict)  # LiveConfig fields for --from mooncake
 
     def validate(self) -> TrainConfig:
         if self.speculator_type != "dspark":

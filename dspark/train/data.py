@@ -60,8 +60,15 @@ class TrainData:
     def val_batches(self) -> list[list[int]]:
         return self._pack(self.val_ids)
 
-    def collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
-        """Pack samples into speculators' batch layout (every tensor with a leading 1)."""
+    def collate(self, samples: list[Sample | None]) -> dict[str, torch.Tensor] | None:
+        """Pack samples into speculators' batch layout (every tensor with a leading 1).
+
+        A live source returns None for a sample it could not get; the batch trains
+        without it, and a batch left empty is skipped.
+        """
+        samples = [s for s in samples if s is not None]
+        if not samples:
+            return None
         L, T = self.num_targets, self.total_seq_len
         ids, masks, hidden, docs, pos = [], [], [], [], []
         for d, s in enumerate(samples):
@@ -108,8 +115,9 @@ class Loader:
             try:
                 with ThreadPoolExecutor(self.num_workers) as pool:
                     for b in self.batches:
-                        samples = list(pool.map(self.data.source.read, b))
-                        item = self.data.collate(samples)
+                        item = self.data.collate(list(pool.map(self.data.source.read, b)))
+                        if item is None:
+                            continue
                         while not stop.is_set():
                             try:
                                 q.put(item, timeout=0.1)

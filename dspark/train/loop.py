@@ -67,13 +67,23 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_source(cfg: TrainConfig):
-    """The training data source named by --from (only zarr is wired up in this module)."""
+def open_source(cfg: TrainConfig, prepared: PreparedData):
+    """The training data source named by --from: a Zarr store, or the live tiered source."""
     if cfg.source == "zarr":
         from dspark.connector.zarr_store import ZarrStore
 
         return ZarrStore(cfg.store)
-    raise InputError(f"--from {cfg.source} is not available", "use --from zarr")
+    if cfg.source == "mooncake":
+        from dspark.connector.live import LiveConfig, TieredSource
+        from dspark.connector.mooncake import MooncakeConfig
+        from dspark.extract.runner import build_manifest
+
+        live = dict(cfg.live)
+        live["mooncake"] = MooncakeConfig(**live.get("mooncake", {}))
+        manifest = build_manifest(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared,
+                                  trust_remote_code=cfg.trust_remote_code)
+        return TieredSource(cfg.store, manifest, prepared, LiveConfig(**live))
+    raise InputError(f"--from {cfg.source} is not a source", "use --from zarr or --from mooncake")
 
 
 def check_store(source, cfg: TrainConfig) -> None:
@@ -95,6 +105,10 @@ def check_store(source, cfg: TrainConfig) -> None:
                             + "; ".join(problems), "train with the verifier and layer ids the store was extracted with")
 
 
+def cfg_is_fixed_store(cfg: TrainConfig) -> bool:
+    return cfg.source == "zarr"
+
+
 def versions() -> dict:
     pkgs = ("dspark", "torch", "speculators", "transformers", "zarr", "numpy")
     return {**{p: version(p) for p in pkgs}, "python": platform.python_version()}
@@ -113,9 +127,9 @@ class Trainer:
         self.device = pick_device(cfg.device, self.dist.local_rank)
         self.progress = progress and self.dist.main
         seed_everything(cfg.seed)
-        self.source = open_source(cfg)
-        check_store(self.source, cfg)
         self.prepared = PreparedData(cfg.data_path)
+        self.source = open_source(cfg, self.prepared)
+        check_store(self.source, cfg)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed)
         self.model = build_model(cfg, self.prepared, self.device)
         self.loss_kw = loss_kwargs(self.model, cfg, self.device)
@@ -154,7 +168,8 @@ class Trainer:
             if diffs and not force:
                 raise InputError(f"run {self.run.root} was started with another config (differs in: "
                                  f"{', '.join(diffs)})", "use a new --save-path, or pass --force to resume anyway")
-            if rec["store_fingerprint"] != self.source.fingerprint() and not force:
+            # A live run's cache grows as it trains; only a fixed store must be unchanged.
+            if cfg_is_fixed_store(self.cfg) and rec["store_fingerprint"] != self.source.fingerprint() and not force:
                 raise StoreMismatch(f"the store changed since run {self.run.root} started",
                                     "resume against the original store, or pass --force")
         ckpt = self.run.checkpoint("latest")
@@ -220,6 +235,8 @@ class Trainer:
             rngs = [None] * self.dist.world
             dist.all_gather_object(rngs, rng_state())
         if self.dist.main:
+            if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on
+                self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint()})
             self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val", "metrics": val})
             self.run.save(self.state["step"], self.model, {
                 "state": dict(self.state), "rng": rngs,
@@ -266,7 +283,11 @@ class Trainer:
                 if st["step"] >= stop_at:
                     break
         bar.close()
+        if hasattr(self.source, "close"):
+            self.source.close()
         if self.dist.world > 1:
             torch.distributed.destroy_process_group()
         return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
-                "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest"))}
+                "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest")),
+                **({"live": {**self.source.stats, "requests": self.source.requests}}
+                   if hasattr(self.source, "stats") else {})}

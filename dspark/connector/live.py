@@ -1,0 +1,185 @@
+"""The trainer's live source: local Zarr cache first, then the extraction server + Mooncake.
+
+    read(id): cache hit -> cache
+              miss      -> ask --vllm-endpoint to extract it (or, with no endpoint, wait for a
+                           producer-driven `dspark extract --to mooncake`), read it from Mooncake,
+                           validate it, write it through to the cache, delete it from Mooncake
+
+A sample already cached is never fetched or regenerated, so later epochs and
+replays read the cache only. When the endpoint or the master fails, the sample
+is skipped (training continues on cached samples), the degradation is logged
+once, live reads resume when the service is back, and after
+--max-consecutive-generation-failures in a row training stops with a clear
+error. Only whole, validated samples are ever written to the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dspark.connector.base import Sample
+from dspark.connector.manifest import StoreManifest
+from dspark.connector.mooncake import CorruptObject, MooncakeConfig, MooncakeError, MooncakeReader, ProducerFailed
+from dspark.connector.zarr_store import ZarrSink, ZarrStore
+from dspark.errors import DsparkError, StoreError
+from dspark.prepare import PreparedData
+
+log = logging.getLogger("dspark.live")
+
+
+class LiveSourceDown(DsparkError):
+    """Too many consecutive live failures: stop rather than train on a shrinking data set."""
+
+
+@dataclass
+class LiveConfig:
+    endpoint: str | None = None  # None: producer-driven, wait for `dspark extract --to mooncake`
+    on_missing: str = "generate"  # generate | skip | warn | raise
+    on_generate: str = "keep"  # keep | delete (free Mooncake once the sample is cached)
+    request_timeout: float = 60.0
+    max_retries: int = 3
+    generation_validation_retries: int = 2
+    max_consecutive_generation_failures: int = 8
+    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+
+
+class ExtractionClient:
+    """The OpenAI completions call vLLM (with our connector) and `dspark serve` both answer."""
+
+    def __init__(self, endpoint: str, timeout: float):
+        self.url = endpoint.rstrip("/") + "/completions"
+        self.timeout = timeout
+        self.requests = 0
+
+    def extract(self, sample_id: int, token_ids: list[int]) -> dict:
+        body = json.dumps({"model": "verifier", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True,
+                           "kv_transfer_params": {"sample_id": sample_id}}).encode()
+        req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        self.requests += 1
+        with urllib.request.urlopen(req, timeout=self.timeout) as r:
+            reply = json.loads(r.read())
+        if reply["choices"][0].get("prompt_token_ids") != token_ids:
+            raise CorruptObject(f"sample {sample_id}: the server echoed other prompt token ids",
+                                "the endpoint serves another tokenizer or truncated the prompt")
+        return reply["kv_transfer_params"]
+
+
+class TieredSource:
+    def __init__(self, cache_root: str, manifest: StoreManifest, prepared: PreparedData, cfg: LiveConfig):
+        self.cfg, self.prepared = cfg, prepared
+        self.sink = ZarrSink(cache_root, manifest)  # creates the cache (or checks it matches)
+        self.cache = ZarrStore(cache_root)
+        self.manifest = self.cache.manifest
+        self.client = ExtractionClient(cfg.endpoint, cfg.request_timeout) if cfg.endpoint else None
+        self._reader: MooncakeReader | None = None
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._degraded = False
+        self.stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0}
+
+    # --- the Source interface the trainer uses ---------------------------------
+    @property
+    def sample_ids(self) -> list[int]:
+        return list(range(len(self.prepared)))
+
+    def fingerprint(self) -> str:
+        with self._lock:
+            self.cache.refresh()
+            return self.cache.fingerprint()
+
+    @property
+    def requests(self) -> int:
+        return self.client.requests if self.client else 0
+
+    def read(self, sample_id: int) -> Sample | None:
+        with self._lock:
+            if sample_id not in self.cache and self.sink.has(sample_id):
+                self.cache.refresh()
+            if sample_id in self.cache:
+                self.stats["cache_hits"] += 1
+                return self.cache.read(sample_id)
+        return self._miss(sample_id)
+
+    def close(self) -> None:
+        self.sink.close()
+
+    # --- misses ---------------------------------------------------------------
+    def _miss(self, sample_id: int) -> Sample | None:
+        mode = self.cfg.on_missing
+        if mode == "raise":
+            raise StoreError(f"sample {sample_id} is not in the cache {self.cache.root}",
+                             "extract it first, or use --on-missing generate")
+        if mode in ("skip", "warn"):
+            if mode == "warn":
+                log.warning("sample %d is not cached; skipped (--on-missing warn)", sample_id)
+            self.stats["skipped"] += 1
+            return None
+        try:
+            sample = self._fetch(sample_id)
+        except (MooncakeError, OSError, TimeoutError, urllib.error.URLError) as e:
+            return self._failed(sample_id, e)
+        with self._lock:
+            if not self.sink.has(sample_id):
+                self.sink.write(sample)
+                self.sink.flush()  # visible to later epochs (and a killed run) at once
+            self._failures = 0
+            if self._degraded:
+                log.warning("live source is back: extraction requests succeed again")
+                self._degraded = False
+            self.stats["generated"] += 1
+        return sample
+
+    def _reader_or_connect(self) -> MooncakeReader:
+        if self._reader is None:
+            self._reader = MooncakeReader(self.manifest, self.cfg.mooncake)
+        return self._reader
+
+    def _fetch(self, sample_id: int) -> Sample:
+        tokens, _ = self.prepared.sample(sample_id)
+        attempts = 1 + max(self.cfg.max_retries, self.cfg.generation_validation_retries)
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                transfer = self.client.extract(sample_id, tokens.tolist()) if self.client else None
+                reader = self._reader_or_connect()
+                sample = reader.get(sample_id, transfer, timeout=self.cfg.request_timeout)
+                if not np.array_equal(sample.token_ids, tokens):
+                    raise CorruptObject(f"sample {sample_id}: stored token ids differ from the prepared data",
+                                        "producer and trainer must use the same prepared data")
+                if self.cfg.on_generate == "delete":
+                    reader.delete(sample_id, transfer["handle"] if transfer else None)
+                return sample
+            except (CorruptObject, ProducerFailed) as e:  # wrong values: ask again
+                last = e
+                if attempt >= self.cfg.generation_validation_retries or not self.client:
+                    raise
+            except (OSError, TimeoutError, urllib.error.URLError, MooncakeError) as e:  # unreachable: back off
+                last = e
+                if attempt >= self.cfg.max_retries:
+                    raise
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+        raise last  # pragma: no cover - the loop always returns or raises
+
+    def _failed(self, sample_id: int, e: Exception) -> None:
+        with self._lock:
+            self._failures += 1
+            self.stats["failures"] += 1
+            self.stats["skipped"] += 1
+            if not self._degraded:
+                log.warning("live source degraded (%s: %s); training continues on cached samples, "
+                            "live reads resume when it is back", type(e).__name__, e)
+                self._degraded = True
+            if self._failures >= self.cfg.max_consecutive_generation_failures:
+                raise LiveSourceDown(
+                    f"{self._failures} consecutive live extraction failures (last: {type(e).__name__}: {e})",
+                    "bring the endpoint/Mooncake master back and rerun the same command: training resumes from "
+                    "the latest checkpoint, and every sample cached so far is kept")
+        return None

@@ -1,0 +1,336 @@
+"""Mooncake sink and reader: one packed object per sample, live between machines.
+
+Object layout is hs_connectors' transfer format (64-byte-aligned `hidden_states
+[T, L+1, H]` then `token_ids [T]`), so either side interoperates with it. The
+transfer manifest (layout, sample id, CRC32, store identity) travels beside the
+object: in the HTTP reply of `dspark serve`, and as a small `<key>:manifest`
+object written *before* the data, so a producer-driven consumer finds it too.
+
+Visibility: a Mooncake put is atomic, so the data key's presence means the
+sample is complete. A producer failure publishes `<key>:error`, which readers
+check first and raise at once instead of waiting for a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import zlib
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import torch
+
+from dspark.connector.base import Sample, register_sink
+from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
+from dspark.errors import DsparkError
+from dspark.fingerprint import sha256_json
+
+os.environ.setdefault("GLOG_minloglevel", "3")  # Mooncake's C++ logging; our errors say what matters
+
+TRANSFER_VERSION = 1  # hs_connectors' transfer-manifest version
+ALIGN = 64
+OBJECT_NOT_FOUND = -704
+NO_AVAILABLE_HANDLE = -200  # the store is out of space
+GIB = 1 << 30
+
+
+class MooncakeError(DsparkError):
+    """Anything the live store did wrong."""
+
+
+class MooncakeUnavailable(MooncakeError):
+    """The master cannot be reached (down, wrong address, network)."""
+
+
+class MooncakeFull(MooncakeError):
+    """No space left in the mounted segments."""
+
+
+class CorruptObject(MooncakeError):
+    """An object whose size, layout or checksum does not match its manifest."""
+
+
+class ProducerFailed(MooncakeError):
+    """The producer published an error marker for this sample."""
+
+
+@dataclass
+class MooncakeConfig:
+    master: str = "127.0.0.1:50051"
+    metadata_server: str = "P2PHANDSHAKE"
+    protocol: str = "tcp"
+    device: str = ""
+    global_segment_gib: float = 1.0
+    local_buffer_gib: float = 0.5
+    writer_threads: int = 2
+    local_hostname: str = "127.0.0.1"
+    put_timeout: float = 60.0  # how long a producer waits for space (back-pressure) before failing
+
+
+def _check_reachable(master: str) -> None:
+    host, _, port = master.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
+    except (OSError, ValueError) as e:
+        raise MooncakeUnavailable(
+            f"cannot reach the Mooncake master at {master} ({e})",
+            "start it (mooncake_master --rpc_port 50051 ...) or fix --mooncake-master") from None
+
+
+def connect(cfg: MooncakeConfig):
+    """A set-up MooncakeDistributedStore client; fails fast and clearly when the master is away."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError:
+        raise MooncakeError("the Mooncake client is not installed",
+                            "pip install 'dspark[mooncake]' (mooncake-transfer-engine-non-cuda on CPU machines)") from None
+    _check_reachable(cfg.master)  # setup() itself retries for ~90 s against a dead address
+    store = MooncakeDistributedStore()
+    rc = store.setup(cfg.local_hostname, cfg.metadata_server, int(cfg.global_segment_gib * GIB),
+                     int(cfg.local_buffer_gib * GIB), cfg.protocol, cfg.device, cfg.master)
+    if rc != 0:
+        raise MooncakeUnavailable(f"Mooncake setup against {cfg.master} failed (status {rc})",
+                                  "check --mooncake-protocol/--mooncake-device and that the master is healthy")
+    return store
+
+
+def namespace(manifest: StoreManifest) -> str:
+    """Keys are scoped by store identity, so two verifiers or layer sets never collide."""
+    return sha256_json(manifest.model_dump(include=set(IDENTITY_FIELDS)))[:16]
+
+
+def sample_key(manifest: StoreManifest, sample_id: int) -> str:
+    return f"dspark/{namespace(manifest)}/{sample_id}"
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def layout(num_tokens: int, manifest: StoreManifest) -> tuple[dict, int]:
+    """hs_connectors' packed layout: tensor name -> shape, dtype, offset, nbytes."""
+    tensors, offset = {}, 0
+    for name, shape, dtype in (
+            ("hidden_states", [num_tokens, len(manifest.captured_layer_ids), manifest.hidden_size], manifest.dtype),
+            ("token_ids", [num_tokens], "int64")):
+        nbytes = prod(shape) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        tensors[name] = {"shape": shape, "dtype": f"torch.{dtype}", "nbytes": nbytes, "offset": offset}
+        offset = _align(offset + nbytes)
+    return tensors, offset
+
+
+def pack(sample: Sample, manifest: StoreManifest, key: str) -> tuple[np.ndarray, dict]:
+    T = len(sample.token_ids)
+    tensors, total = layout(T, manifest)
+    buf = np.zeros(total, dtype=np.uint8)
+    hidden = sample.hidden_states.detach().cpu().contiguous()
+    for name, raw in (("hidden_states", hidden.view(torch.uint8).reshape(-1).numpy()),
+                      ("token_ids", np.ascontiguousarray(sample.token_ids, dtype=np.int64).view(np.uint8))):
+        spec = tensors[name]
+        if raw.nbytes != spec["nbytes"]:
+            raise CorruptObject(f"sample {sample.sample_id}: {name} has {raw.nbytes} bytes, layout says {spec['nbytes']}",
+                                "extract with the store's verifier and layer ids")
+        buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = raw
+    transfer = {"handle": key, "version": TRANSFER_VERSION, "tensors": tensors,
+                "metadata": {"num_tokens": T, "total_aligned_bytes": total, "extract_mode": "prompt_only",
+                             "sample_id": int(sample.sample_id), "crc32": zlib.crc32(buf.data),
+                             "namespace": namespace(manifest)}}
+    return buf, transfer
+
+
+def unpack(buf: np.ndarray, transfer: dict, manifest: StoreManifest) -> Sample:
+    """Validate an object against its transfer manifest and the store identity, then decode it."""
+    meta, key = transfer.get("metadata", {}), transfer.get("handle")
+    if transfer.get("version") != TRANSFER_VERSION or meta.get("namespace") != namespace(manifest):
+        raise CorruptObject(f"object {key} was written for another store (version/namespace differ)",
+                            "point producer and consumer at the same verifier, layers and data")
+    if len(buf) != meta.get("total_aligned_bytes"):
+        raise CorruptObject(f"object {key} has {len(buf)} bytes, its manifest says {meta.get('total_aligned_bytes')}",
+                            "the object is truncated or not ours; it is rejected and can be regenerated")
+    expected, _ = layout(meta["num_tokens"], manifest)
+    if transfer["tensors"] != expected:
+        raise CorruptObject(f"object {key} layout {transfer['tensors']} does not match the store's {expected}",
+                            "producer and consumer disagree on layers, hidden size or dtype")
+    if zlib.crc32(buf.data) != meta.get("crc32"):
+        raise CorruptObject(f"object {key} fails its checksum", "it is rejected and can be regenerated")
+    h, t = expected["hidden_states"], expected["token_ids"]
+    hidden = torch.from_numpy(buf[h["offset"] : h["offset"] + h["nbytes"]].copy()).view(
+        getattr(torch, manifest.dtype)).view(*h["shape"])
+    tokens = buf[t["offset"] : t["offset"] + t["nbytes"]].view(np.int64).copy()
+    return Sample(int(meta["sample_id"]), tokens, hidden)
+
+
+class MooncakeStore:
+    """Thin, error-translating wrapper over one Mooncake client, shared by sink and reader."""
+
+    def __init__(self, manifest: StoreManifest, config: MooncakeConfig):
+        self.manifest, self.config = manifest, config
+        self.client = connect(config)
+
+    def _status(self, op: str, key: str, rc) -> None:
+        if isinstance(rc, int) and rc < 0:
+            if rc == NO_AVAILABLE_HANDLE:
+                raise MooncakeFull(f"the Mooncake store is out of space ({op} {key})",
+                                   "raise --mooncake-global-segment-gib, or consume with --on-generate delete")
+            raise MooncakeUnavailable(f"Mooncake {op} {key} failed (status {rc}): the master may be down",
+                                      f"check the master at {self.config.master}")
+
+    def exists(self, key: str) -> bool:
+        rc = self.client.is_exist(key)
+        self._status("is_exist", key, rc)
+        return rc == 1
+
+    def put(self, key: str, data) -> None:
+        self._status("put", key, self.client.put(key, data if isinstance(data, bytes) else data.tobytes()))
+
+    def get(self, key: str) -> np.ndarray:
+        size = self.client.get_size(key)
+        self._status("get_size", key, size)
+        data = self.client.get(key)
+        if data is None or len(data) != size:
+            raise CorruptObject(f"Mooncake returned {0 if data is None else len(data)} of {size} bytes for {key}",
+                                "the object expired or the master went away mid-read; it can be regenerated")
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def remove(self, key: str) -> None:
+        for k in (key, key + ":manifest", key + ":error"):
+            rc = self.client.remove(k, True)
+            if rc != OBJECT_NOT_FOUND:
+                self._status("remove", k, rc)
+
+
+class MooncakeSink:
+    """Publishes samples live, with back-pressure: it never lets unconsumed bytes
+    exceed 80% of the segment it mounts, so Mooncake never has to evict a sample
+    nobody has read yet."""
+
+    name = "mooncake"
+
+    def __init__(self, manifest: StoreManifest, config: MooncakeConfig):
+        self.manifest = manifest
+        self.store = MooncakeStore(manifest, config)
+        self.config = config
+        self._outstanding: deque[tuple[str, int]] = deque()
+        self._outstanding_bytes = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, config.writer_threads), thread_name_prefix="mooncake-put")
+        self._pending: list[Future] = []
+        self.samples_written = self.bytes_written = 0
+
+    def key(self, sample_id: int) -> str:
+        return sample_key(self.manifest, sample_id)
+
+    def has(self, sample_id: int) -> bool:
+        return self.store.exists(self.key(sample_id))
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        budget = 0.8 * self.config.global_segment_gib * GIB
+        deadline = time.monotonic() + self.config.put_timeout
+        while self._outstanding and self._outstanding_bytes + nbytes > budget:
+            key, size = self._outstanding[0]
+            if not self.store.exists(key):  # consumed (deleted) by the trainer
+                self._outstanding.popleft()
+                self._outstanding_bytes -= size
+                continue
+            if time.monotonic() > deadline:
+                raise MooncakeFull(f"no consumer freed space for {self.config.put_timeout:.0f}s "
+                                   f"({self._outstanding_bytes / 1e6:.1f} MB unconsumed)",
+                                   "run the trainer with --on-generate delete, or raise --mooncake-global-segment-gib")
+            time.sleep(0.05)
+
+    def write(self, sample: Sample, key: str | None = None) -> dict:
+        key = key or self.key(sample.sample_id)
+        buf, transfer = pack(sample, self.manifest, key)
+        with self._lock:
+            self._wait_for_room(buf.nbytes)
+            deadline = time.monotonic() + self.config.put_timeout
+            # A regenerated sample replaces a stale object (and any old error marker):
+            # Mooncake keeps the first put of a key.
+            self.store.remove(key)
+            self.store.put(key + ":manifest", json.dumps(transfer).encode())
+            while True:
+                try:
+                    self.store.put(key, buf)
+                    break
+                except MooncakeFull:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)  # space frees as consumers delete
+            self._outstanding.append((key, buf.nbytes))
+            self._outstanding_bytes += buf.nbytes
+        self.samples_written += 1
+        self.bytes_written += buf.nbytes
+        return transfer
+
+    def write_error(self, key: str, error: str) -> None:
+        self.store.put(key + ":error", json.dumps({"error": error[:4096]}).encode())
+
+    def submit(self, sample: Sample) -> None:
+        """Publish on a writer thread (--mooncake-writer-threads), overlapping the next forward.
+
+        A failed put surfaces on the next submit, flush or close."""
+        self._raise_failed(wait=len(self._pending) >= 2 * self.config.writer_threads)
+        self._pending.append(self._pool.submit(self.write, sample))
+
+    def _raise_failed(self, wait: bool) -> None:
+        if wait and self._pending:
+            self._pending[0].result()
+        done = [f for f in self._pending if f.done()]
+        self._pending = [f for f in self._pending if not f.done()]
+        for f in done:
+            f.result()
+
+    def flush(self) -> None:
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def close(self) -> None:
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown(wait=True)
+
+
+class MooncakeReader:
+    """Waits for a sample (or its error marker), validates and decodes it."""
+
+    def __init__(self, manifest: StoreManifest, config: MooncakeConfig):
+        self.manifest = manifest
+        self.store = MooncakeStore(manifest, config)
+
+    def get(self, sample_id: int, transfer: dict | None = None, timeout: float = 60.0) -> Sample:
+        key = transfer["handle"] if transfer else sample_key(self.manifest, sample_id)
+        deadline, delay = time.monotonic() + timeout, 0.001
+        while True:
+            if self.store.exists(key + ":error"):  # a terminal marker wins over waiting
+                msg = json.loads(self.store.get(key + ":error").tobytes()).get("error", "unknown error")
+                raise ProducerFailed(f"the producer failed sample {sample_id}: {msg}", "see the extractor's log")
+            if self.store.exists(key):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sample {sample_id} did not appear in Mooncake within {timeout:.0f}s ({key})")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        if transfer is None:
+            transfer = json.loads(self.store.get(key + ":manifest").tobytes())
+        sample = unpack(self.store.get(key), transfer, self.manifest)
+        if sample.sample_id != sample_id:
+            raise CorruptObject(f"object {key} holds sample {sample.sample_id}, expected {sample_id}",
+                                "producer and consumer disagree on sample ids (same prepared data?)")
+        return sample
+
+    def delete(self, sample_id: int, key: str | None = None) -> None:
+        self.store.remove(key or sample_key(self.manifest, sample_id))
+
+
+@register_sink("mooncake")
+def _make_mooncake_sink(*, manifest: StoreManifest, mooncake: MooncakeConfig | None = None, **_) -> MooncakeSink:
+    return MooncakeSink(manifest, mooncake or MooncakeConfig())
