@@ -8,8 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: fail fast ins
 os.environ.setdefault("LOGURU_LEVEL", "ERROR")
 
 import json
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,21 @@ import pytest
 from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
 
 LAYERS = [1, 3, 5]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def run_cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
@@ -62,6 +79,23 @@ def store(verifier, prepared, tmp_path_factory) -> Path:
     run_extract(ExtractConfig(model=str(verifier), data=str(prepared), store=str(out),
                               target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     return out
+
+
+def train_cfg(store, prepared, verifier, save, **kw):
+    from dspark.train.config import TrainConfig
+
+    base = dict(store=str(store), data_path=str(prepared), verifier_name_or_path=str(verifier), save_path=str(save),
+                target_layer_ids=LAYERS, block_size=8, max_anchors=32, markov_rank=16, total_seq_len=512,
+                epochs=2, checkpoint_freq=0.5, log_freq=1, lr=3e-3, num_workers=1, prefetch_factor=2)
+    return TrainConfig(**{**base, **kw})
+
+
+def fit(c, **kw) -> list[dict]:
+    from dspark.train.loop import Trainer
+    from dspark.train.metrics import MetricLog
+
+    Trainer(c, progress=False, **kw).fit()
+    return MetricLog(Path(c.save_path) / "metrics.jsonl", tensorboard=False).read()
 
 
 def write_jsonl(path: Path, records) -> Path:

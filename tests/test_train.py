@@ -9,23 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import LAYERS, run_cli
+from conftest import LAYERS, fit, run_cli, train_cfg as cfg
 from dspark.errors import InputError, StoreMismatch
 from dspark.train.config import TrainConfig
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
-
-
-def cfg(store, prepared, verifier, save, **kw) -> TrainConfig:
-    base = dict(store=str(store), data_path=str(prepared), verifier_name_or_path=str(verifier), save_path=str(save),
-                target_layer_ids=LAYERS, block_size=8, max_anchors=32, markov_rank=16, total_seq_len=512,
-                epochs=2, checkpoint_freq=0.5, log_freq=1, lr=3e-3, num_workers=1, prefetch_factor=2)
-    return TrainConfig(**{**base, **kw})
-
-
-def fit(c: TrainConfig, **kw) -> list[dict]:
-    Trainer(c, progress=False, **kw).fit()
-    return MetricLog(__import__("pathlib").Path(c.save_path) / "metrics.jsonl", tensorboard=False).read()
 
 
 @pytest.fixture(scope="module")

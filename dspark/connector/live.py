@@ -109,7 +109,8 @@ class TieredSource:
         return self._miss(sample_id)
 
     def close(self) -> None:
-        self.sink.close()
+        with self._lock:
+            self.sink.close()
 
     # --- misses ---------------------------------------------------------------
     def _miss(self, sample_id: int) -> Sample | None:

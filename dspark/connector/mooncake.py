@@ -14,6 +14,7 @@ check first and raise at once instead of waiting for a timeout.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -39,6 +40,7 @@ ALIGN = 64
 OBJECT_NOT_FOUND = -704
 NO_AVAILABLE_HANDLE = -200  # the store is out of space
 GIB = 1 << 30
+log = logging.getLogger("dspark.mooncake")
 
 
 class MooncakeError(DsparkError):
@@ -72,6 +74,9 @@ class MooncakeConfig:
     writer_threads: int = 2
     local_hostname: str = "127.0.0.1"
     put_timeout: float = 60.0  # how long a producer waits for space (back-pressure) before failing
+    # Objects live in the memory their writers mount: a producer that mounted a segment
+    # waits this long at exit for consumers to read what it published.
+    linger_seconds: float = 600.0
 
 
 def _check_reachable(master: str) -> None:
@@ -209,7 +214,8 @@ class MooncakeStore:
 class MooncakeSink:
     """Publishes samples live, with back-pressure: it never lets unconsumed bytes
     exceed 80% of the segment it mounts, so Mooncake never has to evict a sample
-    nobody has read yet."""
+    nobody has read yet, and a put refused for space is retried while consumers
+    free it (up to put_timeout)."""
 
     name = "mooncake"
 
@@ -231,6 +237,8 @@ class MooncakeSink:
         return self.store.exists(self.key(sample_id))
 
     def _wait_for_room(self, nbytes: int) -> None:
+        if self.config.global_segment_gib <= 0:
+            return  # others' memory: a full store answers NO_AVAILABLE_HANDLE, which write() waits out
         budget = 0.8 * self.config.global_segment_gib * GIB
         deadline = time.monotonic() + self.config.put_timeout
         while self._outstanding and self._outstanding_bytes + nbytes > budget:
@@ -295,8 +303,25 @@ class MooncakeSink:
     def close(self) -> None:
         try:
             self.flush()
+            self._linger()
         finally:
             self._pool.shutdown(wait=True)
+
+    def _linger(self) -> None:
+        if self.config.global_segment_gib <= 0:
+            return  # our objects live in other clients' segments and outlive us
+        deadline = time.monotonic() + self.config.linger_seconds
+        told = False
+        while self._outstanding and time.monotonic() < deadline:
+            if not self.store.exists(self._outstanding[0][0]):
+                self._outstanding.popleft()
+                continue
+            if not told:
+                log.warning("waiting up to %.0fs for consumers to read %d published samples: they live in this "
+                            "process's Mooncake segment (mount 0 GiB here and memory on the consumer to exit at "
+                            "once)", self.config.linger_seconds, len(self._outstanding))
+                told = True
+            time.sleep(0.2)
 
 
 class MooncakeReader:

@@ -145,3 +145,4 @@ class Loader:
                 yield item
         finally:
             stop.set()
+            t.join()  # no reads (or live write-throughs) may outlive the loop that asked for them

@@ -269,9 +269,12 @@ class Trainer:
                     metrics = reduce(all_reduce(window, self.device))
                     metrics["lr"] = self.scheds[0].get_last_lr()[0]
                     wait = loader.wait_seconds
-                    if self.dist.main:  # timing is recorded, never compared by replay
-                        self.log.write({"step": st["step"], "epoch": st["epoch"], "split": "train", "metrics": metrics,
-                                        "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}})
+                    if self.dist.main:  # timing and live counters are recorded, never compared by replay
+                        record = {"step": st["step"], "epoch": st["epoch"], "split": "train", "metrics": metrics,
+                                  "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}}
+                        if hasattr(self.source, "stats"):
+                            record["live"] = {**self.source.stats, "requests": self.source.requests}
+                        self.log.write(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
                     window = {}
                 if st["batch"] == len(batches):

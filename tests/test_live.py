@@ -1,0 +1,231 @@
+"""The live path against a real mooncake_master on loopback and a real `dspark serve`."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import LAYERS, fit, free_port, run_cli, train_cfg, wait_for
+from dspark.connector.base import Sample
+from dspark.connector.manifest import StoreManifest
+from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
+                                       MooncakeUnavailable, connect, pack)
+from dspark.connector.zarr_store import ZarrStore
+
+pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
+
+GIB = 1 << 30
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_master(tmp_path, port=None):
+    port = port or free_port()
+    log = open(tmp_path / f"master-{port}.log", "w")
+    proc = subprocess.Popen(["mooncake_master", "--rpc_port", str(port), "--metrics_port", str(free_port()),
+                             "--rpc_thread_num", "4", "--enable_disk_eviction=false", "--logtostderr=true"],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: _port_open(port), 20, "mooncake_master")
+    return proc, f"127.0.0.1:{port}"
+
+
+def stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture
+def master(tmp_path):
+    proc, addr = start_master(tmp_path)
+    yield addr
+    stop(proc)
+
+
+def start_serve(tmp_path, verifier, prepared, master_addr):
+    port = free_port()
+    log = open(tmp_path / f"serve-{port}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, "--port", str(port),
+                             "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
+                             "--mooncake-global-segment-gib", "0.25", "--target-layer-ids", *map(str, LAYERS),
+                             "--data", prepared], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
+        except OSError:
+            assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-2000:]
+            return False
+
+    wait_for(healthy, 120, "dspark serve")
+    return proc, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.fixture
+def served(tmp_path, verifier, prepared, master):
+    proc, url = start_serve(tmp_path, verifier, prepared, master)
+    yield url
+    stop(proc)
+
+
+def small_cfg(mb: float = 256) -> MooncakeConfig:
+    return MooncakeConfig(global_segment_gib=mb / 1024, local_buffer_gib=mb / 1024)
+
+
+LIVE_KEYS = {"on_missing", "on_generate", "request_timeout", "max_retries", "generation_validation_retries",
+             "max_consecutive_generation_failures"}
+
+
+def live_cfg(store, prepared, verifier, save, master, endpoint=None, **kw):
+    live = {k: kw.pop(k) for k in list(kw) if k in LIVE_KEYS}
+    return train_cfg(store, prepared, verifier, save, source="mooncake", **kw,
+                     live={"endpoint": endpoint, "mooncake": {"master": master, "global_segment_gib": 0.0625,
+                                                              "local_buffer_gib": 0.0625}, **live})
+
+
+@pytest.mark.slow
+def test_live_training_matches_zarr_training_and_caches_everything(tmp_path, verifier, prepared, master, served):
+    cache = tmp_path / "cache"
+    c = live_cfg(cache, prepared, verifier, tmp_path / "live", master, served, on_generate="delete")
+    live = fit(c)
+    epoch_end = {r["epoch"]: r["live"]["requests"] for r in live if r["split"] == "train"}
+    assert epoch_end[0] > 0 and epoch_end[1] == epoch_end[0]  # the second epoch asks for nothing
+    assert run_cli("store", "verify", cache, "--no-progress").returncode == 0
+    # Training from a Zarr store holding the same samples gives the same metrics, bit for bit...
+    offline = fit(replace(c, source="zarr", save_path=str(tmp_path / "offline")))
+    assert [r["metrics"] for r in offline] == [r["metrics"] for r in live]
+    # ...and the live run replays offline, from its cache alone.
+    out = run_cli("replay", tmp_path / "live", "--no-progress").stdout
+    assert "REPRODUCED" in out
+
+
+def test_producer_driven_tee_to_zarr_and_mooncake(tmp_path, verifier, prepared, master):
+    store = tmp_path / "store"
+    # The consumer contributes the memory; the producer mounts none, so what it
+    # published outlives it (objects live in the segments of the clients that mount them).
+    holder = MooncakeSink(_manifest(), replace(small_cfg(256), master=master))
+    run_cli("extract", "--to", "zarr,mooncake", "--model", verifier, "--data", prepared, "--store", store,
+            "--target-layer-ids", *LAYERS, "--mooncake-master", master, "--mooncake-global-segment-gib", "0",
+            "--no-progress")
+    z = ZarrStore(store)
+    reader = MooncakeReader(z.manifest, replace(small_cfg(), master=master, global_segment_gib=0))
+    for i in z.sample_ids[:: max(1, len(z) // 10)]:
+        a, b = z.read(i), reader.get(i, timeout=5)
+        assert np.array_equal(a.token_ids, b.token_ids)
+        assert torch.equal(a.hidden_states.view(torch.int16), b.hidden_states.view(torch.int16))
+    # A consumer without an endpoint trains from what the producer streamed, writing it through.
+    records = fit(live_cfg(tmp_path / "cache", prepared, verifier, tmp_path / "run", master, epochs=1,
+                           max_steps=3, request_timeout=5, max_consecutive_generation_failures=1000))
+    assert records and all(np.isfinite(r["metrics"]["loss"]) for r in records)
+    assert holder.samples_written == 0
+
+
+def _manifest() -> StoreManifest:
+    return StoreManifest(verifier_name="t", verifier_config_hash="c", tokenizer_hash="t", target_layer_ids=[1],
+                         num_hidden_layers=2, hidden_size=16, dtype="bfloat16", chunk_tokens=16,
+                         prepared_fingerprint="p")
+
+
+def _sample(i, n=12) -> Sample:
+    return Sample(i, np.arange(n, dtype=np.int64), torch.randn(n, 2, 16).to(torch.bfloat16))
+
+
+def test_error_marker_fails_fast(master):
+    sink = MooncakeSink(_manifest(), replace(small_cfg(32), master=master))
+    sink.write_error(sink.key(7), "CUDA out of memory")
+    reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master, global_segment_gib=0))
+    t = time.monotonic()
+    with pytest.raises(Exception, match="CUDA out of memory"):
+        reader.get(7, timeout=30)
+    assert time.monotonic() - t < 2
+
+
+def test_out_of_space_is_a_clear_error(master):
+    sink = MooncakeSink(_manifest(), replace(small_cfg(16), master=master, put_timeout=0.5))
+    with pytest.raises(MooncakeFull, match="--mooncake-global-segment-gib"):
+        for i in range(10_000):
+            sink.write(_sample(i, n=4096))  # 256 KiB each into a 16 MiB segment, nobody consuming
+    assert 10 < sink.samples_written < 64
+
+
+def test_corrupted_objects_are_rejected(master):
+    m = _manifest()
+    sink = MooncakeSink(m, replace(small_cfg(32), master=master))
+    reader = MooncakeReader(m, replace(small_cfg(32), master=master, global_segment_gib=0))
+    good = _sample(1)
+    transfer = sink.write(good)
+    assert torch.equal(reader.get(1, transfer, timeout=2).hidden_states, good.hidden_states)
+    buf, _ = pack(good, m, sink.key(1))
+    bad = [("truncated", buf[:-64], "has .* bytes, its manifest says"),
+           ("flipped", np.where(np.arange(len(buf)) == 5, buf ^ 0xFF, buf).astype(np.uint8), "checksum")]
+    for name, data, match in bad:
+        key = f"bad/{name}"
+        sink.store.put(key, data)
+        with pytest.raises(CorruptObject, match=match):
+            reader.get(1, {**transfer, "handle": key}, timeout=2)
+    other = m.model_copy(update={"hidden_size": 32})
+    with pytest.raises(CorruptObject, match="another store"):
+        MooncakeReader(other, replace(small_cfg(32), master=master, global_segment_gib=0)).get(1, transfer, timeout=2)
+
+
+def test_unreachable_master_is_one_clear_line(verifier, prepared, tmp_path):
+    with pytest.raises(MooncakeUnavailable, match="cannot reach the Mooncake master at 127.0.0.1:1"):
+        connect(MooncakeConfig(master="127.0.0.1:1"))
+    proc = run_cli("extract", "--to", "mooncake", "--model", verifier, "--data", prepared, "--target-layer-ids",
+                   *LAYERS, "--mooncake-master", "127.0.0.1:1", check=False)
+    assert proc.returncode == 2 and "cannot reach the Mooncake master" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):
+    args = [sys.executable, "-m", "dspark.cli", "train", "--from", "mooncake", "--cache", tmp_path / "cache",
+            "--data-path", prepared, "--verifier-name-or-path", verifier, "--save-path", tmp_path / "run",
+            "--target-layer-ids", *map(str, LAYERS), "--max-anchors", "32", "--markov-rank", "16",
+            "--total-seq-len", "512", "--epochs", "1", "--no-progress", "--mooncake-master", master,
+            "--mooncake-global-segment-gib", "0.0625", "--vllm-endpoint", endpoint]
+    for k, v in flags.items():
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _cached(tmp_path) -> int:
+    try:
+        return len(ZarrStore(tmp_path / "cache"))
+    except Exception:
+        return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["serve", "master"])
+def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, verifier, prepared, victim):
+    master_proc, master = start_master(tmp_path)
+    serve_proc, url = start_serve(tmp_path, verifier, prepared, master)
+    try:
+        train = _train_proc(tmp_path, verifier, prepared, master, url, request_timeout=3, max_retries=1,
+                            max_consecutive_generation_failures=3)
+        wait_for(lambda: _cached(tmp_path) >= 10 or train.poll() is not None, 180, "live samples in the cache")
+        stop(serve_proc if victim == "serve" else master_proc)
+        out, err = train.communicate(timeout=300)
+        # Either it finished on what it had (training continued on the cache) or it stopped clearly.
+        assert train.returncode == 0 or (train.returncode == 2 and "consecutive live extraction failures" in err
+                                         and "Traceback" not in err), err[-2000:]
+        assert "live source degraded" in err
+        assert run_cli("store", "verify", tmp_path / "cache", "--no-progress").returncode == 0
+    finally:
+        stop(serve_proc)
+        stop(master_proc)
