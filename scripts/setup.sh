@@ -7,12 +7,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Mooncake's CPU wheel links against these Debian libraries.
+if ! ldconfig -p | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libnuma.so.1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 \
+      || { apt-get update -q >/dev/null && apt-get install -y -q libibverbs1 librdmacm1 libnuma1 >/dev/null; }
+  else
+    echo "note: the Mooncake tests need: sudo apt-get install libibverbs1 librdmacm1 libnuma1" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-if ! python -c "import dspark, speculators, torch, pytest" 2>/dev/null; then
+if ! python -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store" 2>/dev/null; then
   pip install -q "torch==2.13.0"
-  pip install -q -e ".[dev]" "torchvision==0.28.*" "torchaudio==2.11.1"
+  pip install -q -e ".[dev,mooncake]" "torchvision==0.28.*" "torchaudio==2.11.1"
   pip uninstall -q -y torchvision torchaudio
 fi
 python -c "import torch, speculators, dspark; print(f'dspark {dspark.__version__} ready: torch {torch.__version__}, speculators {speculators.__version__}')"
