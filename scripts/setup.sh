@@ -24,4 +24,4 @@ if ! python -c "import dspark, speculators, torch, pytest, pytest_timeout, moonc
   pip install -q -e ".[dev,mooncake]" "torchvision==0.28.*" "torchaudio==2.11.1"
   pip uninstall -q -y torchvision torchaudio
 fi
-python -c "import torch, speculators, dspark; print(f'dspark {dspark.__version__} ready: torch {torch.__version__}, speculators {speculators.__version__}')"
+python -c "from importlib.metadata import version as v; print(f\"dspark {v('dspark')} ready: torch {v('torch')}, speculators {v('speculators')}\")"
