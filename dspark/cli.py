@@ -24,8 +24,8 @@ class _Group(click.Group):
             click.secho(f"error: {e}", fg="red", err=True)
             sys.exit(e.exit_code)
         except KeyboardInterrupt:
-            click.secho("interrupted: finished samples are saved; rerun the same command to resume",
-                        fg="yellow", err=True)
+            click.secho("interrupted: rerun the same command to resume (extraction keeps every finished "
+                        "sample; training resumes from its latest checkpoint)", fg="yellow", err=True)
             sys.exit(130)
 
 

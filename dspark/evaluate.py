@@ -72,25 +72,24 @@ def _buckets(ctx: np.ndarray) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(edges, edges[1:]) if ((ctx >= a) & (ctx < b)).any()]
 
 
-def evaluate(model, data, batches, device: torch.device, seed: int = 0) -> dict:
+def evaluate(model, data, batches, device: torch.device, cfg) -> dict:
+    """Score `batches` with the loss settings of `cfg` (the run's TrainConfig), every position an anchor."""
+    from dataclasses import replace
+
     from tqdm import tqdm
 
     from dspark.train.data import Loader
     from dspark.train.loop import _to_device
     from dspark.train.model import loss_kwargs
-    from dspark.train.config import TrainConfig
 
     B = model.block_size
     match, accept, conf, mask, ctx = [], [], [], [], []
-    cfg = TrainConfig(store="", data_path="", verifier_name_or_path="", save_path="", target_layer_ids=[],
-                      loss_fn='{"ce": 0.1, "tv": 0.9}')
-    torch.manual_seed(seed)
+    torch.manual_seed(cfg.seed)
     for batch in tqdm(Loader(data, batches), desc="eval", unit="batch", leave=False):
         n_anchor = int(batch["loss_mask"][0, :-B].sum())
         if n_anchor == 0:
             continue
-        cfg.max_anchors = n_anchor
-        kw = loss_kwargs(model, cfg, device)
+        kw = loss_kwargs(model, replace(cfg, max_anchors=n_anchor), device)
         with torch.no_grad(), observe_forward() as seen:
             model(**_to_device(batch, device), **kw)
         logits, targets = seen["logits"][0].float(), seen["targets"][0].float()
@@ -201,18 +200,19 @@ def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str |
     ckpt = require_checkpoint(checkpoint)
     dev = pick_device(device, 0)
     run_root = ckpt.parent.parent
-    run_cfg = TrainConfig.load(run_root) if (run_root / "config.json").exists() else None
-    data_path = data_path or (run_cfg.data_path if run_cfg else None)
-    if data_path is None:
+    if (run_root / "config.json").exists():
+        cfg = TrainConfig.load(run_root)
+    elif data_path is None:
         raise InputError(f"{ckpt} is not inside a run folder, so the prepared data is unknown", "pass --data-path")
+    else:  # a bare checkpoint: the loop's defaults
+        cfg = TrainConfig(store=store, data_path=data_path, verifier_name_or_path=verifier or "", save_path="",
+                          target_layer_ids=[])
     source = ZarrStore(store)
-    ratio = run_cfg.train_data_ratio if run_cfg else 0.9
-    seed = run_cfg.seed if run_cfg else 0
-    seq = run_cfg.total_seq_len if run_cfg else 2048
-    data = TrainData(source, PreparedData(data_path), seq, ratio, seed)
-    model = load_checkpoint(ckpt, verifier or (run_cfg.verifier_name_or_path if run_cfg else None), dev)
-    batches = data.val_batches() if split == "val" else data._pack(sorted(source.sample_ids))
-    result = evaluate(model, data, batches, dev, seed)
+    data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
+                     cfg.seed)
+    model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
+    batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
+    result = evaluate(model, data, batches, dev, cfg)
     result.update(checkpoint=str(ckpt), store=str(store), split=split)
     out = Path(output) if output else ckpt / "eval"
     out.mkdir(parents=True, exist_ok=True)

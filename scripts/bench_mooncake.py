@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink
+from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink, master_binary
 from dspark.connector.zarr_store import ZarrStore
 
 
@@ -74,7 +74,7 @@ def main():
     proc = None
     if args.master is None:
         port = free_port()
-        proc = subprocess.Popen(["mooncake_master", "--rpc_port", str(port), "--metrics_port", str(free_port()),
+        proc = subprocess.Popen([master_binary(), "--rpc_port", str(port), "--metrics_port", str(free_port()),
                                  "--rpc_thread_num", "8", "--enable_disk_eviction=false"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.5)

@@ -18,7 +18,7 @@ from conftest import LAYERS, fit, free_port, run_cli, train_cfg, wait_for
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
-                                       MooncakeUnavailable, connect, pack)
+                                       MooncakeUnavailable, connect, master_binary, pack)
 from dspark.connector.zarr_store import ZarrStore
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
@@ -36,7 +36,7 @@ def _port_open(port: int) -> bool:
 def start_master(tmp_path, port=None):
     port = port or free_port()
     log = open(tmp_path / f"master-{port}.log", "w")
-    proc = subprocess.Popen(["mooncake_master", "--rpc_port", str(port), "--metrics_port", str(free_port()),
+    proc = subprocess.Popen([master_binary(), "--rpc_port", str(port), "--metrics_port", str(free_port()),
                              "--rpc_thread_num", "4", "--enable_disk_eviction=false", "--logtostderr=true"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: _port_open(port), 20, "mooncake_master")
@@ -229,3 +229,11 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
     finally:
         stop(serve_proc)
         stop(master_proc)
+
+
+def test_an_object_that_vanished_is_named_as_such(master):
+    from dspark.connector.mooncake import ObjectGone
+
+    reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master))
+    with pytest.raises(ObjectGone, match="lease expired"):
+        reader.store.get("dspark/never/written")

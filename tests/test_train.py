@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import LAYERS, fit, run_cli, train_cfg as cfg
-from dspark.errors import InputError, StoreMismatch
+from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.train.config import TrainConfig
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
@@ -169,3 +169,13 @@ def test_two_process_gloo_run_trains(store, prepared, verifier, tmp_path):
     rec = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert rec["world_size"] == 2 and records and records[-1]["split"] == "val"
     assert (tmp_path / "ddp" / "latest" / "model.safetensors").exists()
+
+
+def test_partial_store_is_refused_with_the_fix(reference_run, store, tmp_path):
+    c, _ = reference_run
+    partial = tmp_path / "store"
+    shutil.copytree(store, partial)
+    seg = next((partial / "segments").iterdir())
+    (seg / "index.bin").write_bytes((seg / "index.bin").read_bytes()[:-64])  # two samples never finished
+    with pytest.raises(StoreError, match="rerun the same `dspark extract`"):
+        Trainer(replace(c, store=str(partial), save_path=str(tmp_path / "r")), progress=False)

@@ -55,6 +55,10 @@ class MooncakeFull(MooncakeError):
     """No space left in the mounted segments."""
 
 
+class ObjectGone(MooncakeError):
+    """An object that existed is no longer there (lease expired and evicted, or its segment left)."""
+
+
 class CorruptObject(MooncakeError):
     """An object whose size, layout or checksum does not match its manifest."""
 
@@ -77,6 +81,18 @@ class MooncakeConfig:
     # Objects live in the memory their writers mount: a producer that mounted a segment
     # waits this long at exit for consumers to read what it published.
     linger_seconds: float = 600.0
+
+
+def master_binary() -> str:
+    """`mooncake_master` as shipped in the wheel, also when the venv's bin/ is not on PATH."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    for candidate in (shutil.which("mooncake_master"), Path(sys.executable).parent / "mooncake_master"):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise MooncakeError("mooncake_master is not installed", "pip install 'dspark[mooncake]'")
 
 
 def _check_reachable(master: str) -> None:
@@ -181,6 +197,11 @@ class MooncakeStore:
 
     def _status(self, op: str, key: str, rc) -> None:
         if isinstance(rc, int) and rc < 0:
+            if rc == OBJECT_NOT_FOUND:
+                raise ObjectGone(f"Mooncake object {key} vanished before it was read: its lease expired and it was "
+                                 "evicted, or the client whose segment held it exited",
+                                 "it is regenerated on the next request; keep producers (or a memory-mounting "
+                                 "consumer) alive, and raise --mooncake-global-segment-gib if the store fills")
             if rc == NO_AVAILABLE_HANDLE:
                 raise MooncakeFull(f"the Mooncake store is out of space ({op} {key})",
                                    "raise --mooncake-global-segment-gib, or consume with --on-generate delete")

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample
-from dspark.errors import InputError, StoreMismatch
+from dspark.connector.zarr_store import ZarrStore
+from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.prepare import PreparedData
 
 
@@ -27,10 +28,13 @@ class TrainData:
         if m.prepared_fingerprint != prepared.fingerprint:
             raise StoreMismatch(f"the store was extracted from other prepared data than {prepared.path}",
                                 "pass the --data-path the store was extracted from")
+        if isinstance(source, ZarrStore) and len(source) < len(prepared):
+            raise StoreError(f"store {source.root} holds {len(source)} of the {len(prepared)} prepared samples",
+                             "finish the extraction first: rerun the same `dspark extract`, it resumes")
         self.source, self.prepared = source, prepared
         self.total_seq_len, self.seed = total_seq_len, seed
         self.num_targets = len(m.target_layer_ids)
-        ids = np.array([i for i in range(len(prepared))], dtype=np.int64)
+        ids = np.arange(len(prepared), dtype=np.int64)
         perm = np.random.default_rng(seed).permutation(ids)
         n_train = int(round(train_ratio * len(ids)))
         self.train_ids, self.val_ids = sorted(perm[:n_train].tolist()), sorted(perm[n_train:].tolist())
@@ -39,7 +43,7 @@ class TrainData:
                 raise InputError(f"the {name} split is empty ({len(ids)} samples, --train-data-ratio {train_ratio})",
                                  "use more data or a --train-data-ratio that leaves samples on both sides")
 
-    def _pack(self, ids: list[int]) -> list[list[int]]:
+    def pack(self, ids: list[int]) -> list[list[int]]:
         """Greedy sequential packing into bins of total_seq_len tokens."""
         bins, cur, used = [], [], 0
         for i in ids:
@@ -55,10 +59,10 @@ class TrainData:
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         order = np.random.default_rng([self.seed, epoch]).permutation(self.train_ids).tolist()
-        return self._pack(order)
+        return self.pack(order)
 
     def val_batches(self) -> list[list[int]]:
-        return self._pack(self.val_ids)
+        return self.pack(self.val_ids)
 
     def collate(self, samples: list[Sample | None]) -> dict[str, torch.Tensor] | None:
         """Pack samples into speculators' batch layout (every tensor with a leading 1).
