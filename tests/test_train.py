@@ -179,3 +179,39 @@ def test_partial_store_is_refused_with_the_fix(reference_run, store, tmp_path):
     (seg / "index.bin").write_bytes((seg / "index.bin").read_bytes()[:-64])  # two samples never finished
     with pytest.raises(StoreError, match="rerun the same `dspark extract`"):
         Trainer(replace(c, store=str(partial), save_path=str(tmp_path / "r")), progress=False)
+
+
+@pytest.mark.slow
+def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared, verifier, tmp_path):
+    import signal
+    import time
+
+    def cmd(save):
+        return [sys.executable, "-m", "dspark.cli", "train", "--store", store, "--data-path", prepared,
+                "--verifier-name-or-path", verifier, "--save-path", save, "--target-layer-ids", *map(str, LAYERS),
+                "--max-anchors", "32", "--markov-rank", "16", "--total-seq-len", "512", "--epochs", "2",
+                "--checkpoint-freq", "0.25", "--log-freq", "1", "--lr", "3e-3", "--no-progress", "--device", "cpu"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd(tmp_path / "ref"), check=True, capture_output=True, env=env)
+    reference = MetricLog(tmp_path / "ref" / "metrics.jsonl", tensorboard=False).read()
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+    def logged_past_checkpoint() -> bool:
+        latest = run / "latest"
+        if not latest.exists():
+            return False
+        ckpt_step = int(latest.resolve().name.split("-")[1])
+        return any(r["step"] > ckpt_step + 1 for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read())
+
+    deadline = time.time() + 300
+    while not logged_past_checkpoint() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(MetricLog(run / "metrics.jsonl", tensorboard=False).read()) < len(reference)
+    resumed = subprocess.run(cmd(run), capture_output=True, text=True, env=env)
+    assert resumed.returncode == 0 and "resuming" in resumed.stderr
+    assert [r["metrics"] for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read()] == \
+           [r["metrics"] for r in reference]

@@ -13,6 +13,7 @@ import math
 import os
 import platform
 import random
+import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -186,10 +187,11 @@ class Trainer:
             o.load_state_dict(s)
         for sch, s in zip(self.scheds, st["schedulers"]):
             sch.load_state_dict(s)
-        set_rng_state(st["rng"][self.dist.rank] if isinstance(st["rng"], list) else st["rng"])
+        set_rng_state(st["rng"][self.dist.rank])
         self.state = st["state"]
-        if self.progress:
-            print(f"resuming {self.run.root} from {ckpt.name} (epoch {self.state['epoch']}, step {self.state['step']})")
+        if self.dist.main:  # always said: a resume is never silent
+            print(f"resuming {self.run.root} from {ckpt.name} (epoch {self.state['epoch']}, "
+                  f"step {self.state['step']})", file=sys.stderr)
 
     # --- one step, validation, checkpoint ------------------------------------
     def _autocast(self):
