@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from pathlib import Path
 
 from dspark.errors import InputError, StoreMismatch
 from dspark.train.checkpoint import RunDir

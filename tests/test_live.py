@@ -1,8 +1,6 @@
 """The live path against a real mooncake_master on loopback and a real `dspark serve`."""
 
-import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

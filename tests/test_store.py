@@ -1,9 +1,6 @@
 import multiprocessing as mp
-import os
-import shutil
 import struct
 import subprocess
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from conftest import LAYERS, fit, run_cli, train_cfg as cfg
 from dspark.errors import InputError, StoreError, StoreMismatch
-from dspark.train.config import TrainConfig
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
 

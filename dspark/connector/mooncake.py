@@ -33,7 +33,7 @@ from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import DsparkError
 from dspark.fingerprint import sha256_json
 
-os.environ.setdefault("GLOG_minloglevel", "3")  # Mooncake's C++ logging; our errors say what matters
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ INFO chatter; our errors say what matters
 
 TRANSFER_VERSION = 1  # hs_connectors' transfer-manifest version
 ALIGN = 64
