@@ -14,7 +14,10 @@ import statistics
 import subprocess
 import time
 
+import numpy as np
 import torch
+
+from dspark.connector.base import Sample
 
 from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink, master_binary
 from dspark.connector.zarr_store import ZarrStore
@@ -70,6 +73,8 @@ def main():
     ap.add_argument("--master", default=None)
     ap.add_argument("--samples", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--join", type=int, default=1,
+                    help="Concatenate this many stored samples into one, to measure larger objects.")
     args = ap.parse_args()
     proc = None
     if args.master is None:
@@ -81,9 +86,13 @@ def main():
         args.master = f"127.0.0.1:{port}"
     try:
         z = ZarrStore(args.source)
-        samples = list(z.iter_samples(z.sample_ids[: args.samples]))
+        stored = list(z.iter_samples(z.sample_ids[: args.samples * args.join]))
+        samples = [Sample(i, np.concatenate([s.token_ids for s in group]),
+                          torch.cat([s.hidden_states for s in group]))
+                   for i, group in enumerate(stored[k : k + args.join] for k in range(0, len(stored), args.join))]
         nbytes = sum(s.hidden_states.nbytes + s.token_ids.nbytes for s in samples)
-        print(f"{len(samples)} samples, {nbytes / 1e6:.1f} MB, master {args.master}")
+        print(f"{len(samples)} samples of {nbytes / len(samples) / 1e6:.2f} MB on average, {nbytes / 1e6:.1f} MB, "
+              f"master {args.master}")
         print("| connector | put GB/s | get GB/s | put+get GB/s |")
         print("|---|---:|---:|---:|")
         for name, fn in (("dspark MooncakeSink/Reader", bench_dspark), ("hs_connectors MooncakeHiddenStatesStore", bench_hs)):

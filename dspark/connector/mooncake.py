@@ -2,7 +2,7 @@
 
 Object layout is hs_connectors' transfer format (64-byte-aligned `hidden_states
 [T, L+1, H]` then `token_ids [T]`), so either side interoperates with it. The
-transfer manifest (layout, sample id, CRC32, store identity) travels beside the
+transfer manifest (layout, sample id, xxh3 checksum, store identity) travels beside the
 object: in the HTTP reply of `dspark serve`, and as a small `<key>:manifest`
 object written *before* the data, so a producer-driven consumer finds it too.
 
@@ -19,7 +19,6 @@ import os
 import socket
 import threading
 import time
-import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from math import prod
 
 import numpy as np
 import torch
+import xxhash  # ~10x faster than zlib.crc32: the checksum must not be the live path's bottleneck
 
 from dspark.connector.base import Sample, register_sink
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
@@ -147,10 +147,11 @@ def layout(num_tokens: int, manifest: StoreManifest) -> tuple[dict, int]:
     return tensors, offset
 
 
-def pack(sample: Sample, manifest: StoreManifest, key: str) -> tuple[np.ndarray, dict]:
+def pack(sample: Sample, manifest: StoreManifest, key: str, out: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """Lay the sample out in `out` (e.g. a registered staging buffer; new memory if None)."""
     T = len(sample.token_ids)
     tensors, total = layout(T, manifest)
-    buf = np.zeros(total, dtype=np.uint8)
+    buf = np.zeros(total, dtype=np.uint8) if out is None else out[:total]
     hidden = sample.hidden_states.detach().cpu().contiguous()
     for name, raw in (("hidden_states", hidden.view(torch.uint8).reshape(-1).numpy()),
                       ("token_ids", np.ascontiguousarray(sample.token_ids, dtype=np.int64).view(np.uint8))):
@@ -159,9 +160,10 @@ def pack(sample: Sample, manifest: StoreManifest, key: str) -> tuple[np.ndarray,
             raise CorruptObject(f"sample {sample.sample_id}: {name} has {raw.nbytes} bytes, layout says {spec['nbytes']}",
                                 "extract with the store's verifier and layer ids")
         buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = raw
+        buf[spec["offset"] + spec["nbytes"] : _align(spec["offset"] + spec["nbytes"])] = 0  # padding, deterministic
     transfer = {"handle": key, "version": TRANSFER_VERSION, "tensors": tensors,
                 "metadata": {"num_tokens": T, "total_aligned_bytes": total, "extract_mode": "prompt_only",
-                             "sample_id": int(sample.sample_id), "crc32": zlib.crc32(buf.data),
+                             "sample_id": int(sample.sample_id), "xxh3_64": xxhash.xxh3_64_intdigest(buf.data),
                              "namespace": namespace(manifest)}}
     return buf, transfer
 
@@ -179,7 +181,7 @@ def unpack(buf: np.ndarray, transfer: dict, manifest: StoreManifest) -> Sample:
     if transfer["tensors"] != expected:
         raise CorruptObject(f"object {key} layout {transfer['tensors']} does not match the store's {expected}",
                             "producer and consumer disagree on layers, hidden size or dtype")
-    if zlib.crc32(buf.data) != meta.get("crc32"):
+    if xxhash.xxh3_64_intdigest(buf.data) != meta.get("xxh3_64"):
         raise CorruptObject(f"object {key} fails its checksum", "it is rejected and can be regenerated")
     h, t = expected["hidden_states"], expected["token_ids"]
     hidden = torch.from_numpy(buf[h["offset"] : h["offset"] + h["nbytes"]].copy()).view(
@@ -191,9 +193,40 @@ def unpack(buf: np.ndarray, transfer: dict, manifest: StoreManifest) -> Sample:
 class MooncakeStore:
     """Thin, error-translating wrapper over one Mooncake client, shared by sink and reader."""
 
+    STAGING_GRANULE = 16 << 20
+
     def __init__(self, manifest: StoreManifest, config: MooncakeConfig):
         self.manifest, self.config = manifest, config
         self.client = connect(config)
+        self._staging: dict[tuple[int, str], np.ndarray] = {}
+
+    def staging(self, role: str, nbytes: int) -> np.ndarray:
+        """This thread's registered buffer for `role`: put_from/get_into move bytes without extra copies."""
+        slot = (threading.get_ident(), role)
+        buf = self._staging.get(slot)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                self.client.unregister_buffer(buf.ctypes.data)
+            cap = -(-max(nbytes, 1) // self.STAGING_GRANULE) * self.STAGING_GRANULE
+            buf = np.empty(cap, dtype=np.uint8)
+            self._status("register_buffer", role, self.client.register_buffer(buf.ctypes.data, cap))
+            self._staging[slot] = buf
+        return buf
+
+    def put_from(self, key: str, buf: np.ndarray) -> None:
+        """Upsert a view of a staging buffer (zero-copy)."""
+        self._status("put", key, self.client.upsert_from(key, buf.ctypes.data, buf.nbytes))
+
+    def get_into(self, key: str, size: int) -> np.ndarray:
+        """Read a `size`-byte object into this thread's staging buffer; the view is valid until the next read."""
+        buf = self.staging("get", size)
+        got = self.client.get_into(key, buf.ctypes.data, size)
+        if isinstance(got, int) and got < 0:
+            self._status("get", key, got)
+        if got != size:
+            raise CorruptObject(f"object {key} has {got} bytes, its manifest says {size}",
+                                "the object is truncated or not ours; it is rejected and can be regenerated")
+        return buf[:size]
 
     def _status(self, op: str, key: str, rc) -> None:
         if isinstance(rc, int) and rc < 0:
@@ -208,26 +241,33 @@ class MooncakeStore:
             raise MooncakeUnavailable(f"Mooncake {op} {key} failed (status {rc}): the master may be down",
                                       f"check the master at {self.config.master}")
 
-    def exists(self, key: str) -> bool:
-        rc = self.client.is_exist(key)
-        self._status("is_exist", key, rc)
-        return rc == 1
+    def exists(self, *keys: str) -> list[bool]:
+        """One round trip for several keys."""
+        rcs = self.client.batch_is_exist(list(keys))
+        for k, rc in zip(keys, rcs):
+            self._status("is_exist", k, rc)
+        return [rc == 1 for rc in rcs]
 
     def put(self, key: str, data) -> None:
-        self._status("put", key, self.client.put(key, data if isinstance(data, bytes) else data.tobytes()))
+        """Upsert: a regenerated sample replaces a stale object (a plain put keeps the first)."""
+        self._status("put", key, self.client.upsert(key, data if isinstance(data, bytes) else data.tobytes()))
 
-    def get(self, key: str) -> np.ndarray:
-        size = self.client.get_size(key)
-        self._status("get_size", key, size)
+    def get(self, key: str, size: int | None = None) -> np.ndarray:
+        """The object's bytes; with `size` known (from a manifest) this is one round trip."""
+        if size is None:
+            size = self.client.get_size(key)
+            self._status("get_size", key, size)
         data = self.client.get(key)
-        if data is None or len(data) != size:
-            raise CorruptObject(f"Mooncake returned {0 if data is None else len(data)} of {size} bytes for {key}",
-                                "the object expired or the master went away mid-read; it can be regenerated")
+        if not data:
+            self._status("get", key, OBJECT_NOT_FOUND)
+        if len(data) != size:
+            raise CorruptObject(f"object {key} has {len(data)} bytes, its manifest says {size}",
+                                "the object is truncated or not ours; it is rejected and can be regenerated")
         return np.frombuffer(data, dtype=np.uint8)
 
     def remove(self, key: str) -> None:
-        for k in (key, key + ":manifest", key + ":error"):
-            rc = self.client.remove(k, True)
+        keys = [key, key + ":manifest", key + ":error"]
+        for k, rc in zip(keys, self.client.batch_remove(keys, True)):
             if rc != OBJECT_NOT_FOUND:
                 self._status("remove", k, rc)
 
@@ -255,7 +295,7 @@ class MooncakeSink:
         return sample_key(self.manifest, sample_id)
 
     def has(self, sample_id: int) -> bool:
-        return self.store.exists(self.key(sample_id))
+        return self.store.exists(self.key(sample_id))[0]
 
     def _wait_for_room(self, nbytes: int) -> None:
         if self.config.global_segment_gib <= 0:
@@ -264,7 +304,7 @@ class MooncakeSink:
         deadline = time.monotonic() + self.config.put_timeout
         while self._outstanding and self._outstanding_bytes + nbytes > budget:
             key, size = self._outstanding[0]
-            if not self.store.exists(key):  # consumed (deleted) by the trainer
+            if not self.store.exists(key)[0]:  # consumed (deleted) by the trainer
                 self._outstanding.popleft()
                 self._outstanding_bytes -= size
                 continue
@@ -276,17 +316,18 @@ class MooncakeSink:
 
     def write(self, sample: Sample, key: str | None = None) -> dict:
         key = key or self.key(sample.sample_id)
-        buf, transfer = pack(sample, self.manifest, key)
         with self._lock:
+            _, total = layout(len(sample.token_ids), self.manifest)
+            buf, transfer = pack(sample, self.manifest, key, self.store.staging("put", total))
             self._wait_for_room(buf.nbytes)
             deadline = time.monotonic() + self.config.put_timeout
-            # A regenerated sample replaces a stale object (and any old error marker):
-            # Mooncake keeps the first put of a key.
-            self.store.remove(key)
+            rc = self.store.client.remove(key + ":error", True)  # a stale failure must not shadow this sample
+            if rc != OBJECT_NOT_FOUND:
+                self.store._status("remove", key + ":error", rc)
             self.store.put(key + ":manifest", json.dumps(transfer).encode())
             while True:
                 try:
-                    self.store.put(key, buf)
+                    self.store.put_from(key, buf)
                     break
                 except MooncakeFull:
                     if time.monotonic() > deadline:
@@ -334,7 +375,7 @@ class MooncakeSink:
         deadline = time.monotonic() + self.config.linger_seconds
         told = False
         while self._outstanding and time.monotonic() < deadline:
-            if not self.store.exists(self._outstanding[0][0]):
+            if not self.store.exists(self._outstanding[0][0])[0]:
                 self._outstanding.popleft()
                 continue
             if not told:
@@ -356,10 +397,11 @@ class MooncakeReader:
         key = transfer["handle"] if transfer else sample_key(self.manifest, sample_id)
         deadline, delay = time.monotonic() + timeout, 0.001
         while True:
-            if self.store.exists(key + ":error"):  # a terminal marker wins over waiting
+            failed, ready = self.store.exists(key + ":error", key)
+            if failed:  # a terminal marker wins over waiting
                 msg = json.loads(self.store.get(key + ":error").tobytes()).get("error", "unknown error")
                 raise ProducerFailed(f"the producer failed sample {sample_id}: {msg}", "see the extractor's log")
-            if self.store.exists(key):
+            if ready:
                 break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"sample {sample_id} did not appear in Mooncake within {timeout:.0f}s ({key})")
@@ -367,7 +409,9 @@ class MooncakeReader:
             delay = min(delay * 2, 0.05)
         if transfer is None:
             transfer = json.loads(self.store.get(key + ":manifest").tobytes())
-        sample = unpack(self.store.get(key), transfer, self.manifest)
+        size = transfer.get("metadata", {}).get("total_aligned_bytes")
+        data = self.store.get_into(key, size) if isinstance(size, int) and size > 0 else self.store.get(key)
+        sample = unpack(data, transfer, self.manifest)
         if sample.sample_id != sample_id:
             raise CorruptObject(f"object {key} holds sample {sample.sample_id}, expected {sample_id}",
                                 "producer and consumer disagree on sample ids (same prepared data?)")
