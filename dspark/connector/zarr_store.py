@@ -264,26 +264,21 @@ class ZarrSink:
         C, L, H = m.chunk_tokens, len(m.captured_layer_ids), m.hidden_size
         self._seg = self.root / "segments" / self._writer_id
         group = zarr.open_group(self._seg, mode="w-")
-        typesize = stored_numpy_dtype(m.encoding, m.dtype).itemsize
-        blosc = BloscCodec(cname=m.codec.cname, clevel=m.codec.clevel, shuffle=m.codec.shuffle,
-                           typesize=typesize, blocksize=m.codec.blocksize)
-        cfg = {"write_empty_chunks": True}  # dense data: skip the per-chunk emptiness scan
         store_dtype = stored_numpy_dtype(m.encoding, m.dtype)
-        group.create_array("hidden", shape=(CAPACITY, L, H), chunks=(C, L, H), dtype=store_dtype,
-                           compressors=[blosc], fill_value=0, config=cfg,
-                           attributes={"logical_dtype": m.dtype, "encoding": m.encoding,
-                                       "layer_ids": m.captured_layer_ids})
-        group.create_array("token_ids", shape=(CAPACITY,), chunks=(C,), dtype=np.int32,
-                           compressors=[BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=4)],
-                           fill_value=0, config=cfg)
-        scales = None
+        blosc = BloscCodec(cname=m.codec.cname, clevel=m.codec.clevel, shuffle=m.codec.shuffle,
+                           typesize=store_dtype.itemsize, blocksize=m.codec.blocksize)
+        small = BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=4)
+        cfg = {"write_empty_chunks": True}  # dense data: skip the per-chunk emptiness scan
+        specs = {"hidden": ((CAPACITY, L, H), (C, L, H), store_dtype, blosc),
+                 "token_ids": ((CAPACITY,), (C,), np.int32, small)}
         if m.encoding == "fp8_e4m3":
-            group.create_array("scales", shape=(CAPACITY, L), chunks=(C, L), dtype=np.float32,
-                               compressors=[BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=4)],
-                               fill_value=0, config=cfg)
-            scales = np.zeros((C, L), np.float32)
-        self._arrays = {k: zarr.open_array(self._seg / k, mode="r+", config=cfg)
-                        for k in ("hidden", "token_ids", "scales") if (self._seg / k).exists()}
+            specs["scales"] = ((CAPACITY, L), (C, L), np.float32, small)
+        attrs = {"logical_dtype": m.dtype, "encoding": m.encoding, "layer_ids": m.captured_layer_ids}
+        self._arrays = {
+            name: group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=[codec],
+                                     fill_value=0, config=cfg, attributes=attrs if name == "hidden" else None)
+            for name, (shape, chunks, dtype, codec) in specs.items()}
+        scales = np.zeros((C, L), np.float32) if "scales" in specs else None
         self._buf = _Buffer(np.zeros((C, L, H), store_dtype), np.zeros(C, np.int32), scales)
         self._index_fd = os.open(self._seg / "index.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
