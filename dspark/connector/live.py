@@ -103,10 +103,10 @@ class TieredSource:
         with self._lock:
             if sample_id not in self.cache and self.sink.has(sample_id):
                 self.cache.refresh()
-            if sample_id in self.cache:
-                self.stats["cache_hits"] += 1
-                return self.cache.read(sample_id)
-        return self._miss(sample_id)
+            hit = sample_id in self.cache
+            self.stats["cache_hits"] += hit
+        # Reads run outside the lock: the loader's threads read the cache concurrently.
+        return self.cache.read(sample_id) if hit else self._miss(sample_id)
 
     def close(self) -> None:
         with self._lock:
@@ -139,9 +139,10 @@ class TieredSource:
         return sample
 
     def _reader_or_connect(self) -> MooncakeReader:
-        if self._reader is None:
-            self._reader = MooncakeReader(self.manifest, self.cfg.mooncake)
-        return self._reader
+        with self._lock:  # one client per process, however many loader threads miss at once
+            if self._reader is None:
+                self._reader = MooncakeReader(self.manifest, self.cfg.mooncake)
+            return self._reader
 
     def _fetch(self, sample_id: int) -> Sample:
         tokens, _ = self.prepared.sample(sample_id)
