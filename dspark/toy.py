@@ -79,6 +79,7 @@ def build_toy_verifier(output: Path, spec: ToySpec = ToySpec(), data: Path | Non
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
     convs = _conversations(data or demo_chat_path())
+    # ChatML rendered by hand: the tokenizer that will carry CHAT_TEMPLATE is trained on these texts.
     texts = ["".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in c) for c in convs]
     tokenizer = build_tokenizer(texts, spec.vocab_size)
     stream = torch.tensor(

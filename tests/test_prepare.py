@@ -110,3 +110,9 @@ def test_unwritable_output(verifier, chat_file, tmp_path):
     r = CliRunner().invoke(main, ["prepare", "--model", str(verifier), "--data", str(chat_file),
                                   "--output", str(target)])
     assert r.exit_code == 2 and "not writable" in r.output
+
+
+def test_toy_pretraining_text_is_what_the_chat_template_renders(verifier):
+    tok = load_tokenizer(verifier)
+    by_hand = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONV)
+    assert tok.apply_chat_template(CONV, tokenize=False) == by_hand
