@@ -21,6 +21,11 @@ def stored_numpy_dtype(encoding: str, dtype: str) -> np.dtype:
     return np.dtype(np.uint32 if dtype == "float32" else np.uint16)
 
 
+def bytes_per_token(num_layers: int, hidden_size: int, encoding: str, dtype: str) -> int:
+    """Stored bytes of one token's states across the captured layers (fp8 scales not counted)."""
+    return num_layers * hidden_size * stored_numpy_dtype(encoding, dtype).itemsize
+
+
 def encode(hidden: torch.Tensor, encoding: str) -> tuple[np.ndarray, np.ndarray | None]:
     """`hidden [T, L, H]` -> (payload bits [T, L, H], fp32 scales [T, L] or None)."""
     hidden = hidden.detach().cpu().contiguous()

@@ -265,9 +265,9 @@ class MooncakeStore:
                                 "the object is truncated or not ours; it is rejected and can be regenerated")
         return np.frombuffer(data, dtype=np.uint8)
 
-    def remove(self, key: str) -> None:
-        keys = [key, key + ":manifest", key + ":error"]
-        for k, rc in zip(keys, self.client.batch_remove(keys, True)):
+    def remove(self, *keys: str) -> None:
+        """Remove these exact keys in one round trip; a missing one is fine."""
+        for k, rc in zip(keys, self.client.batch_remove(list(keys), True)):
             if rc != OBJECT_NOT_FOUND:
                 self._status("remove", k, rc)
 
@@ -321,9 +321,7 @@ class MooncakeSink:
             buf, transfer = pack(sample, self.manifest, key, self.store.staging("put", total))
             self._wait_for_room(buf.nbytes)
             deadline = time.monotonic() + self.config.put_timeout
-            rc = self.store.client.remove(key + ":error", True)  # a stale failure must not shadow this sample
-            if rc != OBJECT_NOT_FOUND:
-                self.store._status("remove", key + ":error", rc)
+            self.store.remove(key + ":error")  # a stale failure must not shadow this sample
             self.store.put(key + ":manifest", json.dumps(transfer).encode())
             while True:
                 try:
@@ -418,7 +416,8 @@ class MooncakeReader:
         return sample
 
     def delete(self, sample_id: int, key: str | None = None) -> None:
-        self.store.remove(key or sample_key(self.manifest, sample_id))
+        key = key or sample_key(self.manifest, sample_id)
+        self.store.remove(key, key + ":manifest", key + ":error")
 
 
 @register_sink("mooncake")

@@ -41,7 +41,7 @@ import zarr
 from zarr.codecs import BloscCodec
 
 from dspark.connector.base import Sample, register_sink
-from dspark.connector.encoding import decode, encode, sample_crc, stored_numpy_dtype
+from dspark.connector.encoding import bytes_per_token, decode, encode, sample_crc, stored_numpy_dtype
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import InputError, StoreError
 
@@ -50,9 +50,9 @@ _RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, recor
 _BODY = struct.Struct("<qqqI")
 
 
-def default_chunk_tokens(bytes_per_token: int, target_bytes: int = 1 << 20) -> int:
+def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
     """Power-of-two token count giving ~1 MiB chunks (smaller chunks compress worse)."""
-    tokens = max(1, target_bytes // bytes_per_token)
+    tokens = max(1, target_bytes // token_bytes)
     return int(min(4096, max(16, 1 << (tokens.bit_length() - 1))))
 
 
@@ -213,8 +213,7 @@ class ZarrStore:
     def info(self) -> dict:
         m = self.manifest
         tokens = sum(e.length for e in self._index.values())
-        per_token = len(m.captured_layer_ids) * m.hidden_size * np.dtype(m.dtype.replace("bfloat16", "float16")).itemsize
-        raw = tokens * per_token
+        raw = tokens * bytes_per_token(len(m.captured_layer_ids), m.hidden_size, "raw", m.dtype)
         disk = self.disk_bytes()
         return {"store": str(self.root), "samples": len(self), "tokens": tokens,
                 "segments": len(list((self.root / "segments").glob("*"))) if (self.root / "segments").exists() else 0,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import dspark.connector  # noqa: F401  (registers every sink)
 from dspark.connector.base import SINKS, Sample, parse_sinks
+from dspark.connector.encoding import bytes_per_token
 from dspark.connector.manifest import Codec, StoreManifest
 from dspark.connector.zarr_store import default_chunk_tokens
 from dspark.errors import InputError, StoreMismatch
@@ -83,7 +84,7 @@ def build_manifest(model: str | Path, target_layer_ids: list[int], data: Prepare
     cfg = getattr(cfg, "text_config", cfg)
     layers = validate_layer_ids(target_layer_ids, cfg.num_hidden_layers)
     dtype = dtype or str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
-    per_token = (len(layers) + 1) * cfg.hidden_size * (1 if encoding == "fp8_e4m3" else 2)
+    per_token = bytes_per_token(len(layers) + 1, cfg.hidden_size, encoding, dtype)
     return StoreManifest(
         verifier_name=verifier_name or model.resolve().name,
         verifier_config_hash=model_config_hash(model),
