@@ -143,6 +143,8 @@ def _mooncake_config(kw: dict) -> dict:
 @click.option("--data", required=True, help="A folder written by `dspark prepare`.")
 @click.option("--store", default=None, help="Zarr store folder (created or resumed); needed with --to zarr.")
 @click.option("--target-layer-ids", cls=IntList, required=True, help="e.g. `1 3 5` or `1,3,5`.")
+@click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
+              help="vllm: vllm.LLM with our KV connector (run from .venv-vllm).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None, help="Override the verifier dtype (default: its config's).")
 @click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Padded tokens per forward.")
@@ -152,6 +154,8 @@ def _mooncake_config(kw: dict) -> dict:
 @click.option("--shard", default="0/1", show_default=True, help="INDEX/COUNT: this writer's share of batches.")
 @click.option("--verifier-name", default=None, help="Name recorded in the manifest (default: folder name).")
 @click.option("--trust-remote-code", is_flag=True)
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
+              help="vllm engine: compute shared prompt prefixes once.")
 @click.option("--no-progress", is_flag=True)
 @_mooncake_options
 def extract(fp8, no_progress, **kw):
@@ -164,7 +168,7 @@ def extract(fp8, no_progress, **kw):
     from dspark.extract.runner import ExtractConfig, run_extract
 
     mooncake = MooncakeConfig(**_mooncake_config(kw))
-    cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", sink_options={"mooncake": mooncake}, **kw)
+    cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", mooncake=mooncake, **kw)
     _echo_json(run_extract(cfg, progress=not no_progress))
 
 
@@ -266,7 +270,8 @@ def train(force, no_progress, hidden_states_backend, source, **kw):
 @click.option("--hidden-states-backend", "to", default="mooncake", show_default=True,
               help="Sink(s): mooncake, zarr or zarr,mooncake.")
 @click.option("--store", default=None, help="Zarr store (with the zarr backend).")
-@click.option("--data", default=None, help="Prepared data (names the store identity; needed for zarr/mooncake keys).")
+@click.option("--data", default=None,
+              help="Prepared data: pins the store identity (needed with zarr; live requests name their own).")
 @click.option("--target-layer-ids", cls=IntList, required=True)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
@@ -274,30 +279,44 @@ def train(force, no_progress, hidden_states_backend, source, **kw):
 @_mooncake_options
 def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, trust_remote_code, **kw):
     """OpenAI-compatible extraction server (the CPU/test stand-in for vLLM + our KV connector)."""
-    import dspark.connector  # noqa: F401  (registers the sinks)
-    from dspark.connector.base import SINKS, parse_sinks
+    from dspark.connector.config import SinkConfig
     from dspark.connector.mooncake import MooncakeConfig
+    from dspark.connector.producer import Producer
     from dspark.errors import InputError
-    from dspark.extract.runner import build_manifest
     from dspark.extract.serve import ExtractionService, make_server
     from dspark.extract.transformers_engine import TransformersEngine
     from dspark.prepare import PreparedData
 
-    if data is None:
-        raise InputError("dspark serve needs --data (the prepared folder the trainer uses)",
-                         "pass --data cache/prepared/NAME: it scopes the store identity and Mooncake keys")
+    if "zarr" in to and (data is None or store is None):
+        raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
+                         "pass both, or use --hidden-states-backend mooncake")
     engine = TransformersEngine(model, target_layer_ids, device, dtype, trust_remote_code)
-    manifest = build_manifest(model, target_layer_ids, PreparedData(data), dtype=engine.dtype_name,
-                              trust_remote_code=trust_remote_code)
     mooncake = MooncakeConfig(**_mooncake_config(kw))
-    sinks = [SINKS[n](store=store, manifest=manifest, mooncake=mooncake) for n in parse_sinks(to)]
-    server = make_server(ExtractionService(engine, sinks, Path(model).name), host, port)
+    sinks = SinkConfig(to=to, store=store, prepared_fingerprint=PreparedData(data).fingerprint if data else None,
+                       writer_threads=mooncake.writer_threads, mooncake=mooncake)
+    producer = Producer(sinks, model, target_layer_ids, engine.dtype_name, trust_remote_code)
+    server = make_server(ExtractionService(engine, producer, Path(model).name), host, port)
     click.echo(f"dspark serve: {model} on http://{host}:{port}/v1 -> {to}", err=True)
     try:
         server.serve_forever()
     finally:
-        for s in sinks:
-            s.close()
+        producer.close()
+
+
+class _RawArgs(click.Command):
+    """Hands the words after the command name over untouched: click would drop the `--` before vLLM's flags."""
+
+    def parse_args(self, ctx, args):
+        ctx.params["argv"] = list(args)
+        return []
+
+
+@main.command("launch-vllm", cls=_RawArgs, add_help_option=False)
+def launch_vllm(argv):
+    """Start vLLM with our KV connector: the seed's extraction flags, then `--` and vLLM's (see --help)."""
+    from dspark.extract.launch import main as launch
+
+    launch(argv)
 
 
 @main.command("eval")

@@ -271,6 +271,9 @@ class PreparedData:
     def length(self, i: int) -> int:
         return int(self.offsets[i + 1] - self.offsets[i])
 
+    def token_ids(self, i: int) -> np.ndarray:
+        return self.sample(i)[0]
+
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         s, e = self.offsets[i], self.offsets[i + 1]
         return np.asarray(self.input_ids[s:e], dtype=np.int64), np.asarray(self.loss_mask[s:e])

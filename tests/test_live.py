@@ -16,7 +16,8 @@ from conftest import LAYERS, fit, free_port, run_cli, train_cfg, wait_for
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
-                                       MooncakeUnavailable, connect, master_binary, pack)
+                                       MooncakeUnavailable, connect, master_binary, pack,
+                                       sample_key)
 from dspark.connector.zarr_store import ZarrStore
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
@@ -144,7 +145,7 @@ def _sample(i, n=12) -> Sample:
 
 def test_error_marker_fails_fast(master):
     sink = MooncakeSink(_manifest(), replace(small_cfg(32), master=master))
-    sink.write_error(sink.key(7), "CUDA out of memory")
+    sink.write_error(sample_key(_manifest(), 7), "CUDA out of memory")
     reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master, global_segment_gib=0))
     t = time.monotonic()
     with pytest.raises(Exception, match="CUDA out of memory"):
@@ -156,7 +157,7 @@ def test_out_of_space_is_a_clear_error(master):
     sink = MooncakeSink(_manifest(), replace(small_cfg(16), master=master, put_timeout=0.5))
     with pytest.raises(MooncakeFull, match="--mooncake-global-segment-gib"):
         for i in range(10_000):
-            sink.write(_sample(i, n=4096))  # 256 KiB each into a 16 MiB segment, nobody consuming
+            sink.put(_sample(i, n=4096))  # 256 KiB each into a 16 MiB segment, nobody consuming
     assert 10 < sink.samples_written < 64
 
 
@@ -165,9 +166,9 @@ def test_corrupted_objects_are_rejected(master):
     sink = MooncakeSink(m, replace(small_cfg(32), master=master))
     reader = MooncakeReader(m, replace(small_cfg(32), master=master, global_segment_gib=0))
     good = _sample(1)
-    transfer = sink.write(good)
+    transfer = sink.put(good)
     assert torch.equal(reader.get(1, transfer, timeout=2).hidden_states, good.hidden_states)
-    buf, _ = pack(good, m, sink.key(1))
+    buf, _ = pack(good, m, sink.key(good))
     bad = [("truncated", buf[:-64], "has .* bytes, its manifest says"),
            ("flipped", np.where(np.arange(len(buf)) == 5, buf ^ 0xFF, buf).astype(np.uint8), "checksum")]
     for name, data, match in bad:

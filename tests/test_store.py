@@ -93,7 +93,8 @@ def test_two_concurrent_writers(tmp_path):
         p.join(60)
         assert p.exitcode == 0
     store = ZarrStore(tmp_path)
-    assert store.sample_ids == list(range(60)) and store.duplicates == 20
+    # Overlapping ids: each is stored at least once, at most once per writer that had not seen it yet.
+    assert store.sample_ids == list(range(60)) and 0 <= store.duplicates <= 20
     assert all(store.damaged(i) is None for i in range(60))
     for i in range(0, 60, 9):
         assert torch.equal(store.read(i).hidden_states, make_sample(i).hidden_states)

@@ -1,3 +1,3 @@
-"""Sinks and sources of per-sample hidden states; importing this registers every sink."""
+"""Sinks and sources of per-sample hidden states; importing this registers every one of them."""
 
-from dspark.connector import mooncake, zarr_store  # noqa: F401  (registration side effect)
+from dspark.connector import live, mooncake, zarr_store  # noqa: F401  (registration side effect)

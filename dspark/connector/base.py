@@ -1,29 +1,61 @@
-"""The connector's seam: one sample type, one sink protocol, a small registry.
+"""The connector's seams: one sample type, the `Sink` and `Source` interfaces, their registries.
 
-The extractor (transformers engine, `dspark serve`, the vLLM KV connector) hands
-each finished sample to one or more sinks; the trainer reads them back through
-sources. Sinks register by name so `--to zarr,mooncake` is a lookup, not a branch.
+Producers (the transformers engine, `dspark serve`, the vLLM KV connector) hand
+each finished sample to a sink; the trainer and eval read samples back through a
+source. Both are found by name, so `--to zarr,mooncake` or `--from mooncake` is a
+registry lookup, never a branch on a concrete type. A new backend is a new file.
+
+Sink lifecycle (one writer session; write and flush may be called from several threads)
+    construct      opens or creates the destination; checks it holds this store identity
+    has(id)        is the sample already durable here? (resume skips it)
+    write(sample)  hands a sample over (an offline sink ignores one it already holds; a live
+                   sink replaces it: a regenerated sample must win). It returns at once or
+                   after the write, as the sink likes; the returned future resolves to the
+                   sample's transfer params once the sample is *durable* (readers can see
+                   it, a crash keeps it), or raises what went wrong.
+    write_error    publishes "this sample failed" under its handle where readers wait (live
+                   sinks), so they fail at once instead of timing out; a no-op elsewhere.
+    flush()        every sample written so far is durable and visible; raises a failed write.
+    close()        flush, then release everything; called exactly once, also after errors.
+
+Source lifecycle (shared by the loader's reader threads)
+    manifest, sample_ids, fingerprint()   what the source holds and its content identity
+    location       where the samples live (a path or address), for messages
+    read(id)       thread-safe; the sample, or None when a live source could not get it (the
+                   batch trains without it). Offline sources raise for an absent sample.
+    live           False: every prepared sample must be present before training starts.
+                   True: samples arrive as they are read (fetched, then cached).
+    stats          counters worth logging ({} when there are none).
+    close()        releases what the source holds; called exactly once.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
+from dspark.connector.manifest import StoreManifest
 from dspark.errors import InputError
 
 
 @dataclass
 class Sample:
-    """One sample's hidden states: `hidden_states [T, L+1, H]` (targets, then last layer pre-norm)."""
+    """One sample's hidden states: `hidden_states [T, L+1, H]` (targets, then last layer pre-norm).
+
+    `handle` names the live object (default: derived from the store identity and the
+    sample id; requests that carry no sample id get one of their own).
+    """
 
     sample_id: int
     token_ids: np.ndarray  # int64 [T]
     hidden_states: torch.Tensor  # [T, L+1, H], the verifier dtype
+    handle: str | None = None
 
     def __post_init__(self):
         if self.hidden_states.shape[0] != len(self.token_ids):
@@ -31,31 +63,161 @@ class Sample:
                              f"{self.hidden_states.shape[0]} hidden-state rows")
 
 
-class Sink(Protocol):
-    name: str
+def done(value=None) -> Future:
+    """A future that has already resolved: what a write that had nothing to do returns."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
+
+class Sink(ABC):
+    name: str
+    manifest: StoreManifest
+    bytes_written: int = 0
+
+    @abstractmethod
     def has(self, sample_id: int) -> bool: ...
 
-    def write(self, sample: Sample) -> None: ...
+    @abstractmethod
+    def write(self, sample: Sample) -> Future: ...
 
+    def write_error(self, handle: str, error: str) -> None:
+        """Nobody waits on an offline sink: nothing to publish."""
+
+    @abstractmethod
     def flush(self) -> None: ...
 
+    @abstractmethod
     def close(self) -> None: ...
 
 
-SINKS: dict[str, Callable[..., Sink]] = {}
+class TeeSink(Sink):
+    """Several sinks as one: a sample is durable once it is durable in every one of them."""
+
+    name = "tee"
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = sinks
+        self.manifest = sinks[0].manifest
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(s.bytes_written for s in self.sinks)
+
+    def has(self, sample_id: int) -> bool:
+        return all(s.has(sample_id) for s in self.sinks)
+
+    def write(self, sample: Sample) -> Future:
+        parts = [s.write(sample) for s in self.sinks]
+        out: Future = Future()
+        left = [len(parts)]
+
+        def one_done(_):
+            left[0] -= 1
+            if left[0] == 0:  # resolves to the transfer params of the sink that has any (the live one)
+                errors = [p.exception() for p in parts if p.exception()]
+                if errors:
+                    out.set_exception(errors[0])
+                else:
+                    out.set_result(next((p.result() for p in parts if p.result()), None))
+
+        for p in parts:
+            p.add_done_callback(one_done)
+        return out
+
+    def write_error(self, handle: str, error: str) -> None:
+        for s in self.sinks:
+            s.write_error(handle, error)
+
+    def flush(self) -> None:
+        for s in self.sinks:
+            s.flush()
+
+    def close(self) -> None:
+        close_all(self.sinks)
 
 
-def register_sink(name: str):
-    def deco(factory):
-        SINKS[name] = factory
-        return factory
-    return deco
+def close_all(sinks: list[Sink]) -> None:
+    """Close every sink, even after one failed; then raise the first failure."""
+    errors = []
+    for s in sinks:
+        try:
+            s.close()
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
-def parse_sinks(spec: str) -> list[str]:
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SINKS]
-    if not names or unknown:
-        raise InputError(f"unknown --to target(s) {unknown or spec!r}", f"use one or more of {sorted(SINKS)}, comma-separated")
-    return names
+class Source(ABC):
+    manifest: StoreManifest
+    location: str
+    live: bool = False
+
+    @property
+    @abstractmethod
+    def sample_ids(self) -> list[int]: ...
+
+    @abstractmethod
+    def read(self, sample_id: int) -> Sample | None: ...
+
+    @abstractmethod
+    def fingerprint(self) -> str: ...
+
+    @property
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        """Nothing held by default."""
+
+
+class PromptSet(Protocol):
+    """What a live source needs of prepared data (prepare's `PreparedData` is one)."""
+
+    fingerprint: str
+
+    def __len__(self) -> int: ...
+
+    def token_ids(self, sample_id: int) -> np.ndarray: ...
+
+
+class Registry(dict):
+    """Name -> factory; registering a name twice is a bug, not an override."""
+
+    def __init__(self, kind: str, flag: str):
+        super().__init__()
+        self.kind, self.flag = kind, flag
+
+    def register(self, name: str):
+        def deco(factory: Callable):
+            if name in self:
+                raise ValueError(f"{self.kind} {name!r} is registered twice ({self[name]} and {factory})")
+            self[name] = factory
+            return factory
+        return deco
+
+    def parse(self, spec: str) -> list[str]:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        unknown = [n for n in names if n not in self]
+        if not names or unknown:
+            raise InputError(f"unknown {self.flag} value(s) {unknown or spec!r}",
+                             f"use one or more of {sorted(self)}, comma-separated")
+        return names
+
+
+SINKS = Registry("sink", "--to")
+SOURCES = Registry("source", "--from")
+register_sink, register_source = SINKS.register, SOURCES.register
+
+
+def open_sink(spec: str, **options) -> Sink:
+    """`zarr`, `mooncake` or `zarr,mooncake` (a tee); options go to every factory, each takes its own."""
+    sinks: list[Sink] = []
+    try:
+        for name in SINKS.parse(spec):
+            sinks.append(SINKS[name](**options))
+    except BaseException:
+        close_all(sinks)
+        raise
+    return sinks[0] if len(sinks) == 1 else TeeSink(sinks)

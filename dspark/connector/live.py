@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dspark.connector.base import Sample
+from dspark.connector.base import PromptSet, Sample, Source, register_source
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake import CorruptObject, MooncakeConfig, MooncakeError, MooncakeReader, ProducerFailed
 from dspark.connector.zarr_store import ZarrSink, ZarrStore
 from dspark.errors import DsparkError, StoreError
-from dspark.prepare import PreparedData
 
 log = logging.getLogger("dspark.live")
 
@@ -54,14 +53,24 @@ class LiveConfig:
 class ExtractionClient:
     """The OpenAI completions call vLLM (with our connector) and `dspark serve` both answer."""
 
-    def __init__(self, endpoint: str, timeout: float):
+    def __init__(self, endpoint: str, timeout: float, prepared_fingerprint: str):
         self.url = endpoint.rstrip("/") + "/completions"
         self.timeout = timeout
+        self.prepared_fingerprint = prepared_fingerprint  # scopes the server's keys to our data set
         self.requests = 0
+        self.model: str | None = None
+
+    def _model(self) -> str:
+        """The served model's name (vLLM refuses any other); asked once."""
+        if self.model is None:
+            with urllib.request.urlopen(self.url.removesuffix("/completions") + "/models", timeout=self.timeout) as r:
+                self.model = json.loads(r.read())["data"][0]["id"]
+        return self.model
 
     def extract(self, sample_id: int, token_ids: list[int]) -> dict:
-        body = json.dumps({"model": "verifier", "prompt": token_ids, "max_tokens": 1, "return_token_ids": True,
-                           "kv_transfer_params": {"sample_id": sample_id}}).encode()
+        params = {"sample_id": sample_id, "prepared_fingerprint": self.prepared_fingerprint}
+        body = json.dumps({"model": self._model(), "prompt": token_ids, "max_tokens": 1, "return_token_ids": True,
+                           "kv_transfer_params": params}).encode()
         req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
         self.requests += 1
         with urllib.request.urlopen(req, timeout=self.timeout) as r:
@@ -72,39 +81,42 @@ class ExtractionClient:
         return reply["kv_transfer_params"]
 
 
-class TieredSource:
-    def __init__(self, cache_root: str, manifest: StoreManifest, prepared: PreparedData, cfg: LiveConfig):
-        self.cfg, self.prepared = cfg, prepared
+class TieredSource(Source):
+    live = True
+
+    def __init__(self, cache_root: str, manifest: StoreManifest, prompts: PromptSet, cfg: LiveConfig):
+        self.cfg, self.prompts = cfg, prompts
         self.sink = ZarrSink(cache_root, manifest)  # creates the cache (or checks it matches)
         self.cache = ZarrStore(cache_root)
-        self.manifest = self.cache.manifest
-        self.client = ExtractionClient(cfg.endpoint, cfg.request_timeout) if cfg.endpoint else None
+        self.manifest, self.location = self.cache.manifest, self.cache.location
+        self.client = (ExtractionClient(cfg.endpoint, cfg.request_timeout, prompts.fingerprint)
+                       if cfg.endpoint else None)
         self._reader: MooncakeReader | None = None
         self._lock = threading.Lock()
         self._failures = 0
         self._degraded = False
-        self.stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0}
+        self._stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0}
 
     # --- the Source interface the trainer uses ---------------------------------
     @property
     def sample_ids(self) -> list[int]:
-        return list(range(len(self.prepared)))
+        return list(range(len(self.prompts)))
+
+    @property
+    def stats(self) -> dict:
+        return {**self._stats, "requests": self.client.requests if self.client else 0}
 
     def fingerprint(self) -> str:
         with self._lock:
             self.cache.refresh()
             return self.cache.fingerprint()
 
-    @property
-    def requests(self) -> int:
-        return self.client.requests if self.client else 0
-
     def read(self, sample_id: int) -> Sample | None:
         with self._lock:
             if sample_id not in self.cache and self.sink.has(sample_id):
                 self.cache.refresh()
             hit = sample_id in self.cache
-            self.stats["cache_hits"] += hit
+            self._stats["cache_hits"] += hit
         # Reads run outside the lock: the loader's threads read the cache concurrently.
         return self.cache.read(sample_id) if hit else self._miss(sample_id)
 
@@ -121,7 +133,7 @@ class TieredSource:
         if mode in ("skip", "warn"):
             if mode == "warn":
                 log.warning("sample %d is not cached; skipped (--on-missing warn)", sample_id)
-            self.stats["skipped"] += 1
+            self._stats["skipped"] += 1
             return None
         try:
             sample = self._fetch(sample_id)
@@ -135,7 +147,7 @@ class TieredSource:
             if self._degraded:
                 log.warning("live source is back: extraction requests succeed again")
                 self._degraded = False
-            self.stats["generated"] += 1
+            self._stats["generated"] += 1
         return sample
 
     def _reader_or_connect(self) -> MooncakeReader:
@@ -145,7 +157,7 @@ class TieredSource:
             return self._reader
 
     def _fetch(self, sample_id: int) -> Sample:
-        tokens, _ = self.prepared.sample(sample_id)
+        tokens = self.prompts.token_ids(sample_id)
         attempts = 1 + max(self.cfg.max_retries, self.cfg.generation_validation_retries)
         last: Exception | None = None
         for attempt in range(attempts):
@@ -157,7 +169,7 @@ class TieredSource:
                     raise CorruptObject(f"sample {sample_id}: stored token ids differ from the prepared data",
                                         "producer and trainer must use the same prepared data")
                 if self.cfg.on_generate == "delete":
-                    reader.delete(sample_id, transfer["handle"] if transfer else None)
+                    reader.delete(sample)
                 return sample
             except (CorruptObject, ProducerFailed) as e:  # wrong values: ask again
                 last = e
@@ -173,8 +185,8 @@ class TieredSource:
     def _failed(self, sample_id: int, e: Exception) -> None:
         with self._lock:
             self._failures += 1
-            self.stats["failures"] += 1
-            self.stats["skipped"] += 1
+            self._stats["failures"] += 1
+            self._stats["skipped"] += 1
             if not self._degraded:
                 log.warning("live source degraded (%s: %s); training continues on cached samples, "
                             "live reads resume when it is back", type(e).__name__, e)
@@ -185,3 +197,8 @@ class TieredSource:
                     "bring the endpoint/Mooncake master back and rerun the same command: training resumes from "
                     "the latest checkpoint, and every sample cached so far is kept")
         return None
+
+
+@register_source("mooncake")
+def _open_live_source(*, store: str, manifest: StoreManifest, prompts: PromptSet, live: LiveConfig, **_) -> TieredSource:
+    return TieredSource(store, manifest, prompts, live)

@@ -12,7 +12,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict
 
 from dspark import __version__
-from dspark.errors import StoreError, StoreMismatch
+from dspark.connector.encoding import bytes_per_token
+from dspark.errors import InputError, StoreError, StoreMismatch
+from dspark.fingerprint import model_config_hash, tokenizer_hash
 
 FORMAT_VERSION = 1
 Encoding = Literal["raw", "fp8_e4m3"]
@@ -96,3 +98,52 @@ class StoreManifest(BaseModel):
             raise StoreMismatch(f"store {root} was written for other inputs: " + "; ".join(diffs),
                                 "use a new --store folder, or the model/layers/data it was made from")
         return existing
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
+    if bad or not layer_ids:
+        raise InputError(f"target layer id(s) {bad or layer_ids} out of range for a verifier with "
+                         f"{num_layers} layers", f"use ids in 0..{num_layers} (0 = embeddings)")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise InputError(f"duplicate target layer ids {layer_ids}", "list each layer once")
+    return list(layer_ids)
+
+
+def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
+    """Power-of-two token count giving ~1 MiB chunks (smaller chunks compress worse)."""
+    tokens = max(1, target_bytes // token_bytes)
+    return int(min(4096, max(16, 1 << (tokens.bit_length() - 1))))
+
+
+def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_fingerprint: str,
+                       encoding: str = "raw", chunk_tokens: int | None = None, verifier_name: str | None = None,
+                       dtype: str | None = None, trust_remote_code: bool = False) -> StoreManifest:
+    """The store identity for states of `model` at these layers over one prepared data set.
+
+    Built from the model folder alone, so every producer (the transformers engine,
+    `dspark serve`, a vLLM worker) and a trainer filling a cache agree on it byte for byte.
+    """
+    from transformers import AutoConfig
+
+    model = Path(model)
+    if not (model / "config.json").exists():
+        raise InputError(f"model folder {model} has no config.json", "pass a local Hugging Face model folder")
+    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    cfg = getattr(cfg, "text_config", cfg)
+    layers = validate_layer_ids(target_layer_ids, cfg.num_hidden_layers)
+    dtype = dtype or str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
+    per_token = bytes_per_token(len(layers) + 1, cfg.hidden_size, encoding, dtype)
+    return StoreManifest(
+        verifier_name=verifier_name or model.resolve().name,
+        verifier_config_hash=model_config_hash(model),
+        tokenizer_hash=tokenizer_hash(model),
+        target_layer_ids=layers,
+        num_hidden_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        dtype=dtype,
+        encoding=encoding,
+        codec=Codec(),
+        chunk_tokens=chunk_tokens or default_chunk_tokens(per_token),
+        prepared_fingerprint=prepared_fingerprint,
+    )

@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from math import prod
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import xxhash  # ~10x faster than zlib.crc32: the checksum must not be the live path's bottleneck
 
-from dspark.connector.base import Sample, register_sink
+from dspark.connector.base import Sample, Sink, register_sink
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import DsparkError
 from dspark.fingerprint import sha256_json
@@ -147,10 +147,24 @@ def layout(num_tokens: int, manifest: StoreManifest) -> tuple[dict, int]:
     return tensors, offset
 
 
+def transfer_params(manifest: StoreManifest, key: str, sample_id: int | None, num_tokens: int) -> dict:
+    """What an extractor answers in `kv_transfer_params`: all of it known before the states exist.
+
+    vLLM's scheduler side (our KV connector) and `dspark serve` both return exactly
+    this, so a trainer cannot tell which engine answered. The checksum is known only
+    after the forward: it travels in the `<key>:manifest` object.
+    """
+    tensors, total = layout(num_tokens, manifest)
+    return {"handle": key, "version": TRANSFER_VERSION, "tensors": tensors,
+            "metadata": {"num_tokens": num_tokens, "total_aligned_bytes": total, "extract_mode": "prompt_only",
+                         "sample_id": None if sample_id is None else int(sample_id), "namespace": namespace(manifest)}}
+
+
 def pack(sample: Sample, manifest: StoreManifest, key: str, out: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
     """Lay the sample out in `out` (e.g. a registered staging buffer; new memory if None)."""
     T = len(sample.token_ids)
-    tensors, total = layout(T, manifest)
+    transfer = transfer_params(manifest, key, sample.sample_id, T)
+    tensors, total = transfer["tensors"], transfer["metadata"]["total_aligned_bytes"]
     buf = np.zeros(total, dtype=np.uint8) if out is None else out[:total]
     hidden = sample.hidden_states.detach().cpu().contiguous()
     for name, raw in (("hidden_states", hidden.view(torch.uint8).reshape(-1).numpy()),
@@ -161,10 +175,7 @@ def pack(sample: Sample, manifest: StoreManifest, key: str, out: np.ndarray | No
                                 "extract with the store's verifier and layer ids")
         buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = raw
         buf[spec["offset"] + spec["nbytes"] : _align(spec["offset"] + spec["nbytes"])] = 0  # padding, deterministic
-    transfer = {"handle": key, "version": TRANSFER_VERSION, "tensors": tensors,
-                "metadata": {"num_tokens": T, "total_aligned_bytes": total, "extract_mode": "prompt_only",
-                             "sample_id": int(sample.sample_id), "xxh3_64": xxhash.xxh3_64_intdigest(buf.data),
-                             "namespace": namespace(manifest)}}
+    transfer["metadata"]["xxh3_64"] = xxhash.xxh3_64_intdigest(buf.data)
     return buf, transfer
 
 
@@ -187,7 +198,7 @@ def unpack(buf: np.ndarray, transfer: dict, manifest: StoreManifest) -> Sample:
     hidden = torch.from_numpy(buf[h["offset"] : h["offset"] + h["nbytes"]].copy()).view(
         getattr(torch, manifest.dtype)).view(*h["shape"])
     tokens = buf[t["offset"] : t["offset"] + t["nbytes"]].view(np.int64).copy()
-    return Sample(int(meta["sample_id"]), tokens, hidden)
+    return Sample(-1 if meta["sample_id"] is None else int(meta["sample_id"]), tokens, hidden, handle=key)
 
 
 class MooncakeStore:
@@ -272,11 +283,12 @@ class MooncakeStore:
                 self._status("remove", k, rc)
 
 
-class MooncakeSink:
+class MooncakeSink(Sink):
     """Publishes samples live, with back-pressure: it never lets unconsumed bytes
     exceed 80% of the segment it mounts, so Mooncake never has to evict a sample
     nobody has read yet, and a put refused for space is retried while consumers
-    free it (up to put_timeout)."""
+    free it (up to put_timeout). Puts run on --mooncake-writer-threads threads,
+    overlapping the next forward; a sample is durable once its put returned."""
 
     name = "mooncake"
 
@@ -286,16 +298,17 @@ class MooncakeSink:
         self.config = config
         self._outstanding: deque[tuple[str, int]] = deque()
         self._outstanding_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # serialises puts: one staging buffer, one outstanding-bytes budget
+        self._pending_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, config.writer_threads), thread_name_prefix="mooncake-put")
         self._pending: list[Future] = []
         self.samples_written = self.bytes_written = 0
 
-    def key(self, sample_id: int) -> str:
-        return sample_key(self.manifest, sample_id)
+    def key(self, sample: Sample) -> str:
+        return sample.handle or sample_key(self.manifest, sample.sample_id)
 
     def has(self, sample_id: int) -> bool:
-        return self.store.exists(self.key(sample_id))[0]
+        return self.store.exists(sample_key(self.manifest, sample_id))[0]
 
     def _wait_for_room(self, nbytes: int) -> None:
         if self.config.global_segment_gib <= 0:
@@ -314,8 +327,9 @@ class MooncakeSink:
                                    "run the trainer with --on-generate delete, or raise --mooncake-global-segment-gib")
             time.sleep(0.05)
 
-    def write(self, sample: Sample, key: str | None = None) -> dict:
-        key = key or self.key(sample.sample_id)
+    def put(self, sample: Sample) -> dict:
+        """Publish one sample now; returns its full transfer manifest (with the checksum)."""
+        key = self.key(sample)
         with self._lock:
             _, total = layout(len(sample.token_ids), self.manifest)
             buf, transfer = pack(sample, self.manifest, key, self.store.staging("put", total))
@@ -337,28 +351,28 @@ class MooncakeSink:
         self.bytes_written += buf.nbytes
         return transfer
 
-    def write_error(self, key: str, error: str) -> None:
-        self.store.put(key + ":error", json.dumps({"error": error[:4096]}).encode())
+    def write_error(self, handle: str, error: str) -> None:
+        self.store.put(handle + ":error", json.dumps({"error": error[:4096]}).encode())
 
-    def submit(self, sample: Sample) -> None:
-        """Publish on a writer thread (--mooncake-writer-threads), overlapping the next forward.
-
-        A failed put surfaces on the next submit, flush or close."""
-        self._raise_failed(wait=len(self._pending) >= 2 * self.config.writer_threads)
-        self._pending.append(self._pool.submit(self.write, sample))
-
-    def _raise_failed(self, wait: bool) -> None:
-        if wait and self._pending:
-            self._pending[0].result()
-        done = [f for f in self._pending if f.done()]
-        self._pending = [f for f in self._pending if not f.done()]
-        for f in done:
-            f.result()
+    def write(self, sample: Sample) -> Future:
+        """Queue the put on a writer thread; its future resolves to the transfer manifest."""
+        with self._pending_lock:
+            # Keep failures for flush(); bound the queue so host memory holds few samples.
+            self._pending = [f for f in self._pending if not f.done() or f.exception()]
+            running = [f for f in self._pending if not f.done()]
+        if len(running) >= 2 * self.config.writer_threads:
+            wait(running[:1])
+        future = self._pool.submit(self.put, sample)
+        with self._pending_lock:
+            self._pending.append(future)
+        return future
 
     def flush(self) -> None:
-        for f in self._pending:
+        """Every queued put has finished; raises the first that failed."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, []
+        for f in pending:
             f.result()
-        self._pending = []
 
     def close(self) -> None:
         try:
@@ -405,8 +419,12 @@ class MooncakeReader:
                 raise TimeoutError(f"sample {sample_id} did not appear in Mooncake within {timeout:.0f}s ({key})")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
-        if transfer is None:
-            transfer = json.loads(self.store.get(key + ":manifest").tobytes())
+        if "xxh3_64" not in (transfer or {}).get("metadata", {}):  # the checksum exists only once written
+            stored = json.loads(self.store.get(key + ":manifest").tobytes())
+            if transfer is not None and any(stored["metadata"].get(k) != v for k, v in transfer["metadata"].items()):
+                raise CorruptObject(f"object {key} was written for another request than the one answered",
+                                    "it is rejected and can be regenerated")
+            transfer = stored
         size = transfer.get("metadata", {}).get("total_aligned_bytes")
         data = self.store.get_into(key, size) if isinstance(size, int) and size > 0 else self.store.get(key)
         sample = unpack(data, transfer, self.manifest)
@@ -415,8 +433,8 @@ class MooncakeReader:
                                 "producer and consumer disagree on sample ids (same prepared data?)")
         return sample
 
-    def delete(self, sample_id: int, key: str | None = None) -> None:
-        key = key or sample_key(self.manifest, sample_id)
+    def delete(self, sample: Sample) -> None:
+        key = sample.handle or sample_key(self.manifest, sample.sample_id)
         self.store.remove(key, key + ":manifest", key + ":error")
 
 

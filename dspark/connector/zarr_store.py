@@ -32,7 +32,7 @@ import uuid
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,7 +40,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
-from dspark.connector.base import Sample, register_sink
+from dspark.connector.base import Sample, Sink, Source, done, register_sink, register_source
 from dspark.connector.encoding import bytes_per_token, decode, encode, sample_crc, stored_numpy_dtype
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import InputError, StoreError
@@ -48,12 +48,6 @@ from dspark.errors import InputError, StoreError
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
 _RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
 _BODY = struct.Struct("<qqqI")
-
-
-def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
-    """Power-of-two token count giving ~1 MiB chunks (smaller chunks compress worse)."""
-    tokens = max(1, target_bytes // token_bytes)
-    return int(min(4096, max(16, 1 << (tokens.bit_length() - 1))))
 
 
 @dataclass(frozen=True)
@@ -117,11 +111,14 @@ class _Segment:
         return joined[start - c0 * C : start - c0 * C + length]
 
 
-class ZarrStore:
+class ZarrStore(Source):
     """Reader: random access by sample id and a sequential iterator with read-ahead."""
+
+    live = False
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
+        self.location = str(self.root)
         self.manifest = StoreManifest.load(self.root)
         self._fp8 = self.manifest.encoding == "fp8_e4m3"
         self._segments: dict[str, _Segment] = {}
@@ -227,6 +224,7 @@ class _Pending:
     start: int
     length: int
     crc: int
+    durable: Future  # resolves when the sample's index record is written
 
 
 @dataclass
@@ -238,8 +236,12 @@ class _Buffer:
     pending: list[_Pending] = field(default_factory=list)
 
 
-class ZarrSink:
-    """Writer: appends samples to a fresh segment of its own."""
+class ZarrSink(Sink):
+    """Writer: appends samples to a fresh segment of its own.
+
+    A sample becomes durable when the chunk completing it is written and its index
+    record appended; `flush()` forces that for a partial chunk.
+    """
 
     name = "zarr"
 
@@ -254,6 +256,7 @@ class ZarrSink:
         self._index_fd: int | None = None
         self.samples_written = 0
         self.bytes_written = 0
+        self._lock = threading.Lock()  # writer-pool threads share one segment and its buffer
 
     def has(self, sample_id: int) -> bool:
         return sample_id in self._known
@@ -281,10 +284,10 @@ class ZarrSink:
         self._buf = _Buffer(np.zeros((C, L, H), store_dtype), np.zeros(C, np.int32), scales)
         self._index_fd = os.open(self._seg / "index.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def write(self, sample: Sample) -> None:
-        if self._seg is None:
-            self._open_segment()
-        m, buf = self.manifest, self._buf
+    def write(self, sample: Sample) -> Future:
+        if sample.sample_id in self._known:  # the first record wins anyway: never store it twice
+            return done()
+        m = self.manifest
         want = (len(m.captured_layer_ids), m.hidden_size)
         if tuple(sample.hidden_states.shape[1:]) != want:
             raise StoreError(f"sample {sample.sample_id} has hidden states {tuple(sample.hidden_states.shape)}, "
@@ -293,8 +296,17 @@ class ZarrSink:
         payload, scales = encode(sample.hidden_states, m.encoding)
         tokens = np.asarray(sample.token_ids, dtype=np.int64)
         crc = sample_crc(tokens, payload, scales)
-        T, C = len(tokens), m.chunk_tokens
-        buf.pending.append(_Pending(sample.sample_id, self._pos, T, crc))
+        with self._lock:
+            return self._append(sample.sample_id, tokens, payload, scales, crc)
+
+    def _append(self, sample_id: int, tokens: np.ndarray, payload: np.ndarray, scales: np.ndarray | None,
+                crc: int) -> Future:
+        if self._seg is None:
+            self._open_segment()
+        buf = self._buf
+        T, C = len(tokens), self.manifest.chunk_tokens
+        durable: Future = Future()
+        buf.pending.append(_Pending(sample_id, self._pos, T, crc, durable))
         done = 0
         while done < T:
             n = min(T - done, C - buf.fill)
@@ -308,6 +320,7 @@ class ZarrSink:
             if buf.fill == C:
                 self._flush_chunk()
         self.bytes_written += payload.nbytes
+        return durable
 
     def _flush_chunk(self) -> None:
         """Write the buffered (possibly partial) chunk, then publish the samples it completes."""
@@ -322,9 +335,13 @@ class ZarrSink:
                 self._arrays["scales"][sl] = buf.scales[: buf.fill]
             self._arrays["hidden"][sl] = buf.hidden[: buf.fill]
         except OSError as e:
-            raise StoreError(f"writing to store {self.root} failed ({e.strerror or e}); samples "
+            err = StoreError(f"writing to store {self.root} failed ({e.strerror or e}); samples "
                              f"already indexed are intact", "free disk space (or fix the folder) and rerun: "
-                             "extraction resumes where it stopped") from e
+                             "extraction resumes where it stopped")
+            for p in buf.pending:  # nobody waits forever on a write that cannot happen
+                p.durable.set_exception(err)
+            buf.pending = []
+            raise err from e
         buf.fill = 0
         still = []
         for p in buf.pending:
@@ -339,6 +356,7 @@ class ZarrSink:
         os.write(self._index_fd, body + struct.pack("<I", zlib.crc32(body)))
         self._known.add(p.sample_id)
         self.samples_written += 1
+        p.durable.set_result(None)
 
     def flush(self) -> None:
         """Make every sample written so far visible now (write-through caches need this).
@@ -346,18 +364,20 @@ class ZarrSink:
         The partial chunk is written and the next sample starts on a fresh chunk,
         so chunks stay write-once at the cost of some padding.
         """
-        if self._seg is None or self._buf.fill == 0:
-            return
-        self._flush_chunk()
-        C = self.manifest.chunk_tokens
-        self._pos = -(-self._pos // C) * C
+        with self._lock:
+            if self._seg is None or self._buf.fill == 0:
+                return
+            self._flush_chunk()
+            C = self.manifest.chunk_tokens
+            self._pos = -(-self._pos // C) * C
 
     def close(self) -> None:
-        if self._seg is None:
-            return
-        self._flush_chunk()
-        os.close(self._index_fd)
-        self._seg = None
+        with self._lock:
+            if self._seg is None:
+                return
+            self._flush_chunk()
+            os.close(self._index_fd)
+            self._seg = None
 
 
 @register_sink("zarr")
@@ -365,3 +385,8 @@ def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, **_) -
     if store is None:
         raise InputError("writing to zarr needs a store folder", "pass --store PATH")
     return ZarrSink(store, manifest)
+
+
+@register_source("zarr")
+def _open_zarr_source(*, store: str | Path, **_) -> ZarrStore:
+    return ZarrStore(store)

@@ -1,14 +1,13 @@
 """`dspark serve`: an OpenAI-compatible completions server on the transformers engine.
 
 It answers hidden-state extraction requests exactly as vLLM with our KV
-connector does: POST /v1/completions with `prompt` = token ids, `max_tokens`
-1, `return_token_ids` and `kv_transfer_params`; the reply carries
-`choices[0].prompt_token_ids` and the transfer manifest in
-`kv_transfer_params` (`handle` = the Mooncake key). The states go to the
-configured sinks before the reply, so a reader that waits for the handle never
-waits long. A failed extraction publishes an error marker on the handle, so the
-reader fails at once. Pass `kv_transfer_params: {"sample_id": N}` to key the
-sample by its prepared-data id (required for the Zarr sink).
+connector does (both plan each request with the connector's `Producer`):
+POST /v1/completions with `prompt` = token ids, `max_tokens` 1, `return_token_ids`
+and `kv_transfer_params` (`sample_id`, `prepared_fingerprint`); the reply carries
+`choices[0].prompt_token_ids` and the transfer params (`handle` = the Mooncake key).
+The states are durable in every sink before the reply, so a reader that waits for
+the handle never waits long. A failed extraction publishes an error marker on the
+handle, so the reader fails at once.
 """
 
 from __future__ import annotations
@@ -23,13 +22,13 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample
-from dspark.connector.mooncake import MooncakeSink
+from dspark.connector.producer import Producer
+from dspark.errors import DsparkError
 
 
 class ExtractionService:
-    def __init__(self, engine, sinks: list, model_name: str):
-        self.engine, self.sinks, self.model_name = engine, sinks, model_name
-        self.mooncake = next((s for s in sinks if isinstance(s, MooncakeSink)), None)
+    def __init__(self, engine, producer: Producer, model_name: str):
+        self.engine, self.producer, self.model_name = engine, producer, model_name
         self.vocab = engine.model.config.vocab_size
         self._lock = threading.Lock()  # one forward at a time: the engine is not re-entrant
         self.requests = 0
@@ -40,38 +39,34 @@ class ExtractionService:
             prompt = prompt[0]
         if not (isinstance(prompt, list) and prompt and all(isinstance(t, int) and 0 <= t < self.vocab for t in prompt)):
             return 400, _error(f"prompt must be a non-empty list of token ids in [0, {self.vocab})")
-        params = body.get("kv_transfer_params") or {}
-        sample_id = params.get("sample_id")
-        if sample_id is None and len(self.sinks) > (1 if self.mooncake else 0):
-            return 400, _error("kv_transfer_params.sample_id is required when writing to a Zarr store")
-        key = self.mooncake.key(sample_id) if (self.mooncake and sample_id is not None) else f"dspark/req/{uuid.uuid4().hex}"
+        request_id = uuid.uuid4().hex
+        try:
+            planned = self.producer.plan(request_id, body.get("kv_transfer_params"), len(prompt))
+        except DsparkError as e:
+            return 400, _error(str(e))
         self.requests += 1
+        sink = self.producer.sink(planned.prepared_fingerprint)
         try:
             with self._lock:
                 hidden = self.engine.extract([np.asarray(prompt, dtype=np.int64)])[0]
                 next_token = self._next_token(hidden)
-            sample = Sample(-1 if sample_id is None else int(sample_id), np.asarray(prompt, dtype=np.int64), hidden)
-            transfer = None
-            for sink in self.sinks:
-                if isinstance(sink, MooncakeSink):
-                    transfer = sink.write(sample, key)
-                elif not sink.has(sample.sample_id):
-                    sink.write(sample)
-                    sink.flush()
+            sample = Sample(-1 if planned.sample_id is None else int(planned.sample_id),
+                            np.asarray(prompt, dtype=np.int64), hidden, handle=planned.handle)
+            sink.write(sample)  # a request means "produce it": a live object is replaced, a stored one kept
+            sink.flush()  # durable (and visible) before the reply
         except Exception as e:  # publish the failure where the reader is waiting, then report it
-            if self.mooncake:
-                try:
-                    self.mooncake.write_error(key, f"{type(e).__name__}: {e}")
-                except Exception:
-                    pass
+            try:
+                sink.write_error(planned.handle, f"{type(e).__name__}: {e}")
+            except Exception:
+                pass
             return 500, _error(f"extraction failed: {type(e).__name__}: {e}", "server_error")
         return 200, {
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()),
             "model": self.model_name,
             "choices": [{"index": 0, "text": "", "finish_reason": "length", "logprobs": None,
                          "prompt_token_ids": prompt, "token_ids": [next_token]}],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": 1, "total_tokens": len(prompt) + 1},
-            "kv_transfer_params": transfer or {"handle": key, "sample_id": sample_id},
+            "kv_transfer_params": planned.transfer,
         }
 
     @torch.inference_mode()

@@ -13,7 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.connector.base import Sample, Sink
+from dspark.connector.manifest import validate_layer_ids
 from dspark.errors import InputError
+from dspark.extract.base import ENGINES, Engine
 
 
 def _decoder(model):
@@ -24,22 +27,13 @@ def _decoder(model):
     return inner
 
 
-def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
-    if bad or not layer_ids:
-        raise InputError(f"target layer id(s) {bad or layer_ids} out of range for a verifier with "
-                         f"{num_layers} layers", f"use ids in 0..{num_layers} (0 = embeddings)")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise InputError(f"duplicate target layer ids {layer_ids}", "list each layer once")
-    return list(layer_ids)
-
-
-class TransformersEngine:
-    def __init__(self, model_path: str | Path, target_layer_ids: list[int], device: str = "cpu",
-                 dtype: str | None = None, trust_remote_code: bool = False):
+@ENGINES.register("transformers")
+class TransformersEngine(Engine):
+    def __init__(self, model: str | Path, target_layer_ids: list[int], device: str = "cpu",
+                 dtype: str | None = None, trust_remote_code: bool = False, **_):
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        path = Path(model_path)
+        path = Path(model)
         if not (path / "config.json").exists():
             raise InputError(f"model folder {path} has no config.json",
                              "pass --model a local Hugging Face model folder")
@@ -88,3 +82,8 @@ class TransformersEngine:
         stacked = torch.stack([self._captured[k] for k in self.captured_layer_ids], dim=2)  # [B, T, L+1, H]
         stacked = stacked.to("cpu", self.dtype)
         return [stacked[i, :n].clone() for i, n in enumerate(lengths)]
+
+    def run(self, batch: list[tuple[int, np.ndarray]], sink: Sink) -> None:
+        for (sid, tokens), hidden in zip(batch, self.extract([t for _, t in batch])):
+            if not sink.has(sid):
+                sink.write(Sample(sid, tokens, hidden))

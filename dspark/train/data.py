@@ -1,7 +1,7 @@
 """Training data: split, pack, collate and read ahead.
 
-Samples come from a source (anything with `read(id) -> Sample`, `sample_ids`,
-`manifest`: the Zarr store, or the tiered Mooncake+cache source) and their loss
+Samples come from a `Source` (the Zarr store, or the tiered Mooncake+cache
+source) and their loss
 masks from the prepared data. Packing and order are a pure function of (seed,
 epoch), so a resumed run sees exactly the batches the uninterrupted one saw.
 """
@@ -16,20 +16,20 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from dspark.connector.base import Sample
-from dspark.connector.zarr_store import ZarrStore
+from dspark.connector.base import Sample, Source
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.prepare import PreparedData
 
 
 class TrainData:
-    def __init__(self, source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int):
+    def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int):
         m = source.manifest
         if m.prepared_fingerprint != prepared.fingerprint:
             raise StoreMismatch(f"the store was extracted from other prepared data than {prepared.path}",
                                 "pass the --data-path the store was extracted from")
-        if isinstance(source, ZarrStore) and len(source) < len(prepared):
-            raise StoreError(f"store {source.root} holds {len(source)} of the {len(prepared)} prepared samples",
+        if not source.live and len(source.sample_ids) < len(prepared):
+            raise StoreError(f"store {source.location} holds {len(source.sample_ids)} of the "
+                             f"{len(prepared)} prepared samples",
                              "finish the extraction first: rerun the same `dspark extract`, it resumes")
         self.source, self.prepared = source, prepared
         self.total_seq_len, self.seed = total_seq_len, seed

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dspark.connector.base import SOURCES, Source
+from dspark.connector.manifest import manifest_for_model
 from dspark.errors import InputError, StoreMismatch
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
@@ -68,23 +70,18 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_source(cfg: TrainConfig, prepared: PreparedData):
+def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
     """The training data source named by --from: a Zarr store, or the live tiered source."""
-    if cfg.source == "zarr":
-        from dspark.connector.zarr_store import ZarrStore
+    import dspark.connector  # noqa: F401  (registers every source)
+    from dspark.connector.live import LiveConfig
+    from dspark.connector.mooncake import MooncakeConfig
 
-        return ZarrStore(cfg.store)
-    if cfg.source == "mooncake":
-        from dspark.connector.live import LiveConfig, TieredSource
-        from dspark.connector.mooncake import MooncakeConfig
-        from dspark.extract.runner import build_manifest
-
-        live = dict(cfg.live)
-        live["mooncake"] = MooncakeConfig(**live.get("mooncake", {}))
-        manifest = build_manifest(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared,
-                                  trust_remote_code=cfg.trust_remote_code)
-        return TieredSource(cfg.store, manifest, prepared, LiveConfig(**live))
-    raise InputError(f"--from {cfg.source} is not a source", "use --from zarr or --from mooncake")
+    SOURCES.parse(cfg.source)
+    live = dict(cfg.live)
+    live["mooncake"] = MooncakeConfig(**live.get("mooncake", {}))
+    manifest = manifest_for_model(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared.fingerprint,
+                                  trust_remote_code=cfg.trust_remote_code) if cfg.source != "zarr" else None
+    return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=LiveConfig(**live))
 
 
 def check_store(source, cfg: TrainConfig) -> None:
@@ -274,8 +271,8 @@ class Trainer:
                     if self.dist.main:  # timing and live counters are recorded, never compared by replay
                         record = {"step": st["step"], "epoch": st["epoch"], "split": "train", "metrics": metrics,
                                   "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}}
-                        if hasattr(self.source, "stats"):
-                            record["live"] = {**self.source.stats, "requests": self.source.requests}
+                        if self.source.stats:
+                            record["live"] = self.source.stats
                         self.log.write(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
                     window = {}
@@ -288,11 +285,9 @@ class Trainer:
                 if st["step"] >= stop_at:
                     break
         bar.close()
-        if hasattr(self.source, "close"):
-            self.source.close()
+        self.source.close()
         if self.dist.world > 1:
             torch.distributed.destroy_process_group()
         return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
                 "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest")),
-                **({"live": {**self.source.stats, "requests": self.source.requests}}
-                   if hasattr(self.source, "stats") else {})}
+                **({"live": self.source.stats} if self.source.stats else {})}

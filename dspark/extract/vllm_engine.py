@@ -1,0 +1,64 @@
+"""`dspark extract --engine vllm`: offline batch extraction with `vllm.LLM` and our KV connector.
+
+The states never come back to this process: the connector inside vLLM copies them
+out of the KV cache and writes them through sinks built from the same SinkConfig,
+so the store, its manifest and resume behave exactly as with the transformers
+engine. vLLM is imported here only, and only when this engine is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+
+from dspark.connector.base import Sink
+from dspark.connector.config import SinkConfig
+from dspark.errors import InputError
+from dspark.extract.base import ENGINES, Engine
+from dspark.extract.launch import CONNECTOR, aux_layer_ids, cpu_env, num_hidden_layers, speculative_config
+
+
+@ENGINES.register("vllm")
+class VllmEngine(Engine):
+    writes_elsewhere = True  # our KV connector writes, inside vLLM's worker
+
+    def __init__(self, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
+                 dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True, **_):
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise InputError("vLLM is not installed in this environment",
+                             "run from .venv-vllm (bash scripts/setup.sh --vllm), or use --engine transformers") from None
+        os.environ.update(cpu_env())
+        # In-process engine core: a kill -9 of `dspark extract` leaves no orphaned engine behind,
+        # and run() can step the engine until the connector has written everything.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.llm = LLM(model=str(model), dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+                       speculative_config=speculative_config(
+                           aux_layer_ids(target_layer_ids, num_hidden_layers(model, None))),
+                       kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": sinks.to_extra_config()},
+                       enable_prefix_caching=prefix_caching, enforce_eager=not torch.cuda.is_available(),  # CPU: compiling costs ~50 s of startup
+                       disable_log_stats=True)
+        self.dtype_name = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        self.prepared_fingerprint = sinks.prepared_fingerprint
+
+    def run(self, batch: list[tuple[int, np.ndarray]], sink: Sink) -> None:
+        from vllm import SamplingParams
+
+        todo = [(sid, tokens) for sid, tokens in batch if not sink.has(sid)]
+        params = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
+            "sample_id": sid, "prepared_fingerprint": self.prepared_fingerprint}}) for sid, _ in todo]
+        self.llm.generate([{"prompt_token_ids": t.tolist()} for _, t in todo], params, use_tqdm=False)
+        # generate() returns when the outputs are done; the writes finish on later steps (a request's
+        # blocks are freed only once its write is durable), so step until nothing is left.
+        scheduler = self.llm.llm_engine.engine_core.engine_core.scheduler
+        while scheduler.has_requests():
+            self.llm.llm_engine.step()
+            time.sleep(0.001)  # the writer pool, not the step loop, should have the cores
+
+    def close(self) -> None:
+        # Shuts the workers down, which flushes and closes the connector's sinks.
+        self.llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,184 @@
+"""The vLLM launcher: the seed's command line in, the exact vLLM argv out; health wait and no orphans.
+
+vLLM itself never runs here: a tiny http.server script stands in for the server process.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, wait_for
+from dspark.extract import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = ["24", "48", "72", "88", "92"]
+VLLM_FLAGS = ["--tensor-parallel-size", "8", "--max-model-len", "8192", "--served-model-name", "kimi"]
+SEED = ["--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata-server", "P2PHANDSHAKE",
+        "--mooncake-protocol", "tcp", "--mooncake-global-segment-gib", "32", "--mooncake-local-buffer-gib", "4",
+        "--mooncake-writer-threads", "4", "--target-layer-ids", *LAYERS, "--trust-remote-code"]
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    """All the launcher reads of a verifier: its config.json (multimodal style, to cover text_config)."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(
+        json.dumps({"text_config": {"num_hidden_layers": 94, "hidden_size": 128}}))
+    return tmp_path / "model"
+
+
+def _launch(entry: list[str], *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU whatever the box: the env addition is fixed
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=ROOT)
+
+
+@pytest.mark.parametrize("entry, backend", [(["scripts/launch_vllm.py"], "mooncake"),
+                                            (["-m", "dspark.cli", "launch-vllm"], "zarr,mooncake")])
+def test_seed_command_line(model, tmp_path, entry, backend):
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "prepare.json").write_text(json.dumps({"fingerprint": "abc123"}))
+    zarr = ["--store", tmp_path / "store", "--data", tmp_path / "prepared"] if "zarr" in backend else []
+    proc = _launch(entry, model, "--hidden-states-backend", backend, *SEED, *zarr, "--print-only", "--",
+                   *VLLM_FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+
+    spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [24, 48, 72, 88, 92, 94]}}}
+    assert plan["speculative_config"] == spec
+    kv = plan["kv_transfer_config"]
+    assert {k: kv[k] for k in ("kv_connector", "kv_connector_module_path", "kv_role")} == {
+        "kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
+        "kv_role": "kv_producer"}
+    extra = kv["kv_connector_extra_config"]
+    seed_mooncake = {"master": "10.0.0.5:50051", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+                     "global_segment_gib": 32.0, "local_buffer_gib": 4.0, "writer_threads": 4,
+                     "local_hostname": "127.0.0.1"}
+    assert {k: extra["mooncake"][k] for k in seed_mooncake} == seed_mooncake
+    assert (extra["to"], extra["writer_threads"]) == (backend, 4)
+    if zarr:
+        assert (extra["store"], extra["prepared_fingerprint"]) == (str(tmp_path / "store"), "abc123")
+
+    cmd = plan["command"]
+    assert cmd[:10] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                        "--host", "127.0.0.1", "--port", "8000", "--trust-remote-code"]
+    assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == kv
+    assert cmd[-len(VLLM_FLAGS):] == VLLM_FLAGS
+    assert plan["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--target-layer-ids", "24", "95"], "out of range"),
+    (["--target-layer-ids", "1,3,94"], "duplicate layer ids"),  # 94 (the last layer) is always added
+    (["--target-layer-ids", "1", "--hidden-states-backend", "zarr"], "needs --store and --data"),
+    (["--target-layer-ids", "1", "--", "--speculative-config", "{}"], "--speculative-config after `--`"),
+    (["--target-layer-ids", "1", "--", "--port=9000"], "--port after `--`"),
+    (["--target-layer-ids", "1", "--mooncake-protocol", "udp"], "invalid choice"),
+])
+def test_bad_input_is_one_line(model, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        launch.main([str(model), *args, "--print-only"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_hub_model_needs_layer_count_and_cli_says_so_in_one_line(tmp_path):
+    proc = _launch(["-m", "dspark.cli", "launch-vllm"], "Org/Model", "--target-layer-ids", "1", "--print-only")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "--num-hidden-layers" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    ok = _launch(["scripts/launch_vllm.py"], "Org/Model", "--target-layer-ids", "1,3", "--num-hidden-layers", "6",
+                 "--print-only")
+    assert json.loads(ok.stdout)["speculative_config"]["draft_model_config"]["hf_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
+
+
+FAKE_SERVER = r"""
+import http.server, subprocess, sys, time
+port, delay, mode, pids = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # like vLLM's engine core
+open(pids, "w").write(f"{worker.pid}\n")
+time.sleep(delay)
+if mode.startswith("exit"):
+    sys.exit(int(mode[4:]))
+if mode == "hang":
+    time.sleep(60)
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+if mode == "once":  # answer the health check, then exit: the launcher must return this status
+    server.handle_request()
+    sys.exit(7)
+server.serve_forever()
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture
+def fake(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE_SERVER)
+    port, pids = free_port(), tmp_path / "pids"
+
+    def command(delay: float, mode: str) -> list[str]:
+        return [sys.executable, str(script), str(port), str(delay), mode, str(pids)]
+
+    def worker() -> int:  # the fake's own child: it must not outlive the launcher either
+        wait_for(lambda: pids.exists() and pids.read_text().endswith("\n"), 10, "the fake server's worker")
+        return int(pids.read_text())
+
+    return command, launch.health_url("127.0.0.1", port), worker
+
+
+def test_ready_then_child_status(fake, capsys):
+    command, url, worker = fake
+    assert launch.run_server(command(0.5, "once"), {}, url, timeout=10) == 7
+    assert capsys.readouterr().err == f"vLLM extractor ready on {url}/v1\n"
+    wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
+
+
+def test_child_exit_before_ready(fake, capsys):
+    command, url, worker = fake
+    with pytest.raises(launch.ServerExited) as err:
+        launch.run_server(command(0.2, "exit3"), {}, url, timeout=10)
+    assert err.value.exit_code == 3 and "ready" not in capsys.readouterr().err
+    wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
+
+
+def test_timeout_kills_the_group(fake):
+    command, url, worker = fake
+    with pytest.raises(launch.LaunchError, match="not healthy"):
+        launch.run_server(command(0, "hang"), {}, url, timeout=1)
+    wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
+
+
+def test_kill_of_launcher_stops_server(fake):
+    command, url, worker = fake
+    code = ("import sys; from dspark.extract import launch; "
+            f"sys.exit(launch.run_server({command(0, 'serve')!r}, {{}}, {url!r}, 10))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
+    assert launcher.stderr.readline() == f"vLLM extractor ready on {url}/v1\n"
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(10) == 128 + signal.SIGTERM  # the server died of the forwarded SIGTERM
+    wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
