@@ -7,6 +7,7 @@ import sys
 import time
 import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,10 +43,15 @@ def start_master(tmp_path, port=None):
     return proc, f"127.0.0.1:{port}"
 
 
-def stop(proc):
+def stop(proc, sig=signal.SIGKILL):
+    """Kill the process group; SIGTERM lets the vLLM launcher take its server (own group) down with it."""
     if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.killpg(proc.pid, sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture
@@ -55,30 +61,41 @@ def master(tmp_path):
     stop(proc)
 
 
-def start_serve(tmp_path, verifier, prepared, master_addr):
+VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
+
+
+def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve"):
+    """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
     port = free_port()
-    log = open(tmp_path / f"serve-{port}.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, "--port", str(port),
-                             "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
-                             "--mooncake-global-segment-gib", "0.25", "--target-layer-ids", *map(str, LAYERS),
-                             "--data", prepared], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    common = ["--port", str(port), "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
+              "--target-layer-ids", *map(str, LAYERS)]
+    if engine == "serve":
+        argv = [sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, *common,
+                "--mooncake-global-segment-gib", "0.25", "--data", prepared]
+    else:  # the producer mounts no memory (the trainer does), so stopping it loses nothing
+        assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
+        argv = [str(VLLM_PY), "scripts/launch_vllm.py", str(verifier), *common, "--mooncake-global-segment-gib", "0",
+                "--", "--enforce-eager", "--max-model-len", "1024"]
+    log = open(tmp_path / f"{engine}-{port}.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            cwd=Path(__file__).resolve().parents[1])
 
     def healthy():
         try:
             return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
         except OSError:
-            assert proc.poll() is None, (tmp_path / f"serve-{port}.log").read_text()[-2000:]
+            assert proc.poll() is None, (tmp_path / f"{engine}-{port}.log").read_text()[-3000:]
             return False
 
-    wait_for(healthy, 120, "dspark serve")
+    wait_for(healthy, 300, engine)
     return proc, f"http://127.0.0.1:{port}/v1"
 
 
-@pytest.fixture
-def served(tmp_path, verifier, prepared, master):
-    proc, url = start_serve(tmp_path, verifier, prepared, master)
+@pytest.fixture(params=["serve", "vllm"])
+def served(request, tmp_path, verifier, prepared, master):
+    proc, url = start_extractor(tmp_path, verifier, prepared, master, request.param)
     yield url
-    stop(proc)
+    stop(proc, signal.SIGTERM)
 
 
 def small_cfg(mb: float = 256) -> MooncakeConfig:
@@ -210,15 +227,16 @@ def _cached(tmp_path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["serve", "master"])
+@pytest.mark.parametrize("victim", ["serve", "master", "vllm"])
 def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, verifier, prepared, victim):
     master_proc, master = start_master(tmp_path)
-    serve_proc, url = start_serve(tmp_path, verifier, prepared, master)
+    engine = "vllm" if victim == "vllm" else "serve"
+    serve_proc, url = start_extractor(tmp_path, verifier, prepared, master, engine)
     try:
         train = _train_proc(tmp_path, verifier, prepared, master, url, request_timeout=3, max_retries=1,
                             max_consecutive_generation_failures=3)
         wait_for(lambda: _cached(tmp_path) >= 10 or train.poll() is not None, 180, "live samples in the cache")
-        stop(serve_proc if victim == "serve" else master_proc)
+        stop(master_proc) if victim == "master" else stop(serve_proc, signal.SIGTERM)
         out, err = train.communicate(timeout=300)
         # Either it finished on what it had (training continued on the cache) or it stopped clearly.
         assert train.returncode == 0 or (train.returncode == 2 and "consecutive live extraction failures" in err
@@ -226,7 +244,7 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
         assert "live source degraded" in err
         assert run_cli("store", "verify", tmp_path / "cache", "--no-progress").returncode == 0
     finally:
-        stop(serve_proc)
+        stop(serve_proc, signal.SIGTERM)
         stop(master_proc)
 
 
