@@ -10,9 +10,9 @@ Sink lifecycle (one writer session; write and flush may be called from several t
     has(id)        is the sample already durable here? (resume skips it)
     write(sample)  hands a sample over (an offline sink ignores one it already holds; a live
                    sink replaces it: a regenerated sample must win). It returns at once or
-                   after the write, as the sink likes; the returned future resolves to the
-                   sample's transfer params once the sample is *durable* (readers can see
-                   it, a crash keeps it), or raises what went wrong.
+                   after the write, as the sink likes; the returned future resolves once the
+                   sample is *durable* (readers can see it, a crash keeps it) to its transfer
+                   params (a live sink) or None (an offline one), or raises what went wrong.
     write_error    publishes "this sample failed" under its handle where readers wait (live
                    sinks), so they fail at once instead of timing out; a no-op elsewhere.
     flush()        every sample written so far is durable and visible; raises a failed write.
