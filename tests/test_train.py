@@ -147,7 +147,8 @@ def test_eval_writes_json_markdown_and_plot(reference_run, store, tmp_path):
     assert len(result["positions"]) == 8 and result["by_context"]
     assert 1.0 <= result["tau_greedy"] <= 9 and 1.0 <= result["tau_analytic"] <= 9
     for p in result["positions"]:
-        assert 0 <= p["analytic_reach"] <= p["analytic_accept"] + 1e-9 <= 1 + 1e-9
+        # float32 results: a few ulps of slack (an AVX2-only CPU rounds differently from AVX512)
+        assert 0 <= p["analytic_reach"] <= p["analytic_accept"] + 1e-6 <= 1 + 1e-6
     assert (tmp_path / "ev" / "eval.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| pos |" in proc.stdout
     missing = run_cli("eval", "--checkpoint", tmp_path / "nope", "--store", store, check=False)
