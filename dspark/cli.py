@@ -122,6 +122,9 @@ def _mooncake_options(f):
                      help="Memory this process contributes to the store (0 for a pure consumer)."),
         click.option("--mooncake-local-buffer-gib", type=float, default=0.5, show_default=True),
         click.option("--mooncake-writer-threads", type=int, default=2, show_default=True),
+        click.option("--mooncake-local-hostname", default="127.0.0.1", show_default=True,
+                     help="Address the other nodes reach this process at (its node's name or IP when "
+                          "the master, extractor and trainer run on different nodes)."),
         click.option("--mooncake-linger-seconds", type=float, default=600.0, show_default=True,
                      help="A producer that mounts memory waits this long at exit for consumers."),
     ]
@@ -134,7 +137,7 @@ def _mooncake_config(kw: dict) -> dict:
     """Pop the --mooncake-* options out of a command's kwargs into MooncakeConfig fields."""
     return {name: kw.pop(f"mooncake_{name}") for name in
             ("master", "metadata_server", "protocol", "device", "global_segment_gib", "local_buffer_gib",
-             "writer_threads", "linger_seconds")}
+             "writer_threads", "local_hostname", "linger_seconds")}
 
 
 @main.command()

@@ -1,5 +1,6 @@
 """The live path against a real mooncake_master on loopback and a real `dspark serve`."""
 
+import json
 import os
 import signal
 import subprocess
@@ -14,12 +15,14 @@ import pytest
 import torch
 
 from conftest import LAYERS, fit, free_port, run_cli, train_cfg, wait_for
-from dspark.connector.base import Sample
-from dspark.connector.manifest import StoreManifest
+from dspark.connector.base import SOURCES, Sample
+from dspark.connector.live import LiveConfig
+from dspark.connector.manifest import StoreManifest, manifest_for_model
 from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
                                        MooncakeUnavailable, connect, master_binary, pack,
                                        sample_key)
 from dspark.connector.zarr_store import ZarrStore
+from dspark.prepare import PreparedData
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
 
@@ -64,14 +67,14 @@ def master(tmp_path):
 VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
-def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve"):
+def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25):
     """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
     port = free_port()
     common = ["--port", str(port), "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
               "--target-layer-ids", *map(str, LAYERS)]
     if engine == "serve":
         argv = [sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, *common,
-                "--mooncake-global-segment-gib", "0.25", "--data", prepared]
+                "--mooncake-global-segment-gib", str(serve_segment_gib), "--data", prepared]
     else:  # the producer mounts no memory (the trainer does), so stopping it loses nothing
         assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
         argv = [str(VLLM_PY), "scripts/launch_vllm.py", str(verifier), *common, "--mooncake-global-segment-gib", "0",
@@ -127,6 +130,23 @@ def test_live_training_matches_zarr_training_and_caches_everything(tmp_path, ver
     # ...and the live run replays offline, from its cache alone.
     out = run_cli("replay", tmp_path / "live", "--no-progress").stdout
     assert "REPRODUCED" in out
+
+
+def test_a_producer_that_mounts_no_memory_puts_into_the_trainers_at_once(tmp_path, verifier, prepared, master):
+    """The trainer mounts its segment before its first request: otherwise that put had nowhere to go
+    until a timeout (the first live read of a resumed Slurm job stalled for a minute)."""
+    proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0)
+    try:
+        data = PreparedData(prepared)
+        live = LiveConfig(endpoint=url, request_timeout=10, max_retries=0, mooncake=replace(small_cfg(64), master=master))
+        source = SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(verifier, LAYERS, data.fingerprint),
+                                     prompts=data, live=live)
+        sample = source.read(0)
+        assert sample is not None and np.array_equal(sample.token_ids, data.token_ids(0))
+        assert (source.stats["generated"], source.stats["requests"], source.stats["failures"]) == (1, 1, 0)
+        source.close()
+    finally:
+        stop(proc, signal.SIGTERM)
 
 
 def test_producer_driven_tee_to_zarr_and_mooncake(tmp_path, verifier, prepared, master):
@@ -212,7 +232,8 @@ def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):
             "--data-path", prepared, "--verifier-name-or-path", verifier, "--save-path", tmp_path / "run",
             "--target-layer-ids", *map(str, LAYERS), "--max-anchors", "32", "--markov-rank", "16",
             "--total-seq-len", "512", "--epochs", "1", "--no-progress", "--mooncake-master", master,
-            "--mooncake-global-segment-gib", "0.0625", "--vllm-endpoint", endpoint]
+            "--mooncake-global-segment-gib", "0.0625", "--mooncake-local-hostname", "localhost",
+            "--vllm-endpoint", endpoint]
     for k, v in flags.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -243,6 +264,9 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
                                          and "Traceback" not in err), err[-2000:]
         assert "live source degraded" in err
         assert run_cli("store", "verify", tmp_path / "cache", "--no-progress").returncode == 0
+        # What other nodes reach the trainer at (multi-node runs set the node's name) is recorded.
+        recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+        assert recorded["train"]["live"]["mooncake"]["local_hostname"] == "localhost"
     finally:
         stop(serve_proc, signal.SIGTERM)
         stop(master_proc)

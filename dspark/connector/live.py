@@ -162,8 +162,9 @@ class TieredSource(Source):
         last: Exception | None = None
         for attempt in range(attempts):
             try:
-                transfer = self.client.extract(sample_id, tokens.tolist()) if self.client else None
+                # Connect first: the producer may mount no memory, so its put needs our segment.
                 reader = self._reader_or_connect()
+                transfer = self.client.extract(sample_id, tokens.tolist()) if self.client else None
                 sample = reader.get(sample_id, transfer, timeout=self.cfg.request_timeout)
                 if not np.array_equal(sample.token_ids, tokens):
                     raise CorruptObject(f"sample {sample_id}: stored token ids differ from the prepared data",
