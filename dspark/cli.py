@@ -159,6 +159,8 @@ def _mooncake_config(kw: dict) -> dict:
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="vllm engine: compute shared prompt prefixes once.")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="vllm engine: devices one extraction process spans (one shard per node: see --shard).")
 @click.option("--no-progress", is_flag=True)
 @_mooncake_options
 def extract(fp8, no_progress, **kw):

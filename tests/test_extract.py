@@ -46,6 +46,15 @@ def test_layer_id_out_of_range_is_one_clear_line(verifier, prepared, tmp_path):
         "error: target layer id(s) [9] out of range for a verifier with 6 layers (fix: use ids in 0..6 (0 = embeddings))"]
 
 
+def test_tensor_parallel_needs_the_vllm_engine(verifier, prepared, tmp_path):
+    proc = run_cli("extract", "--model", verifier, "--data", prepared, "--store", tmp_path / "s",
+                   "--target-layer-ids", "1", "--tensor-parallel-size", "2", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "error: --tensor-parallel-size 2 needs the vllm engine (fix: pass --engine vllm, or run one process per "
+        "device with --shard INDEX/COUNT)"]
+
+
 def test_store_of_other_inputs_is_refused(verifier, prepared, store, tmp_path):
     proc = run_cli("extract", "--model", verifier, "--data", prepared, "--store", store,
                    "--target-layer-ids", "2,4", "--no-progress", check=False)

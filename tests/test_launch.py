@@ -75,6 +75,20 @@ def test_seed_command_line(model, tmp_path, entry, backend):
     assert plan["env"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
+def test_headless_follower_runs_vllm_serve_with_the_heads_configs(model):
+    """The seed's pair: rank 1 gets the same configs, through `vllm serve --headless` (the api_server ignores it)."""
+    pair = ["--tensor-parallel-size", "8", "--nnodes", "2", "--master-addr", "10.0.0.4"]
+    head = json.loads(_launch(["scripts/launch_vllm.py"], model, *SEED, "--print-only", "--", *pair,
+                              "--node-rank", "0").stdout)
+    follower = json.loads(_launch(["scripts/launch_vllm.py"], model, *SEED, "--print-only", "--", *pair,
+                                  "--node-rank", "1", "--headless").stdout)
+    assert follower["command"][:5] == [sys.executable, "-m", "dspark.extract.vllm_cli", "serve", str(model)]
+    assert head["command"][2] == "vllm.entrypoints.openai.api_server"
+    assert follower["command"][-3:] == ["--node-rank", "1", "--headless"]
+    for key in ("speculative_config", "kv_transfer_config", "env"):
+        assert follower[key] == head[key]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--target-layer-ids", "24", "95"], "out of range"),
     (["--target-layer-ids", "1,3,94"], "duplicate layer ids"),  # 94 (the last layer) is always added
@@ -181,4 +195,12 @@ def test_kill_of_launcher_stops_server(fake):
     assert launcher.stderr.readline() == f"vLLM extractor ready on {url}/v1\n"
     launcher.send_signal(signal.SIGTERM)
     assert launcher.wait(10) == 128 + signal.SIGTERM  # the server died of the forwarded SIGTERM
+    wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
+
+
+def test_headless_follower_is_not_waited_for(fake, capsys):
+    """A follower serves no /health: the launcher just runs it, and returns its status."""
+    command, _, worker = fake
+    assert launch.run_server(command(0.2, "exit0"), {}, None, timeout=1) == 0
+    assert capsys.readouterr().err == "vLLM headless follower started; it serves its head's requests\n"
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")

@@ -36,10 +36,12 @@ ENGINES = Registry("engine", "--engine")
 
 
 def open_engine(name: str, *, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
-                dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True) -> Engine:
+                dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
+                tensor_parallel_size: int = 1) -> Engine:
     import dspark.extract.transformers_engine  # noqa: F401  (registration)
     import dspark.extract.vllm_engine  # noqa: F401
 
     ENGINES.parse(name)
     return ENGINES[name](model=model, target_layer_ids=target_layer_ids, sinks=sinks, device=device, dtype=dtype,
-                         trust_remote_code=trust_remote_code, prefix_caching=prefix_caching)
+                         trust_remote_code=trust_remote_code, prefix_caching=prefix_caching,
+                         tensor_parallel_size=tensor_parallel_size)

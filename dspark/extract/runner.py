@@ -40,6 +40,7 @@ class ExtractConfig:
     verifier_name: str | None = None
     trust_remote_code: bool = False
     prefix_caching: bool = True  # vllm engine: shared prompt prefixes are computed once
+    tensor_parallel_size: int = 1  # vllm engine: devices per extraction process
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def sinks(self, prepared_fingerprint: str) -> SinkConfig:
@@ -84,7 +85,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
     batches = [b for j, b in enumerate(plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)) if j % shard_n == shard_i]
     engine = open_engine(cfg.engine, model=cfg.model, target_layer_ids=cfg.target_layer_ids, sinks=sinks,
                          device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                         prefix_caching=cfg.prefix_caching)
+                         prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
     manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, cfg.encoding, cfg.chunk_tokens,
                                   cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code)
 

@@ -30,9 +30,12 @@ def _decoder(model):
 @ENGINES.register("transformers")
 class TransformersEngine(Engine):
     def __init__(self, model: str | Path, target_layer_ids: list[int], device: str = "cpu",
-                 dtype: str | None = None, trust_remote_code: bool = False, **_):
+                 dtype: str | None = None, trust_remote_code: bool = False, tensor_parallel_size: int = 1, **_):
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if tensor_parallel_size != 1:
+            raise InputError(f"--tensor-parallel-size {tensor_parallel_size} needs the vllm engine",
+                             "pass --engine vllm, or run one process per device with --shard INDEX/COUNT")
         path = Path(model)
         if not (path / "config.json").exists():
             raise InputError(f"model folder {path} has no config.json",

@@ -26,7 +26,8 @@ class VllmEngine(Engine):
     writes_elsewhere = True  # our KV connector writes, inside vLLM's worker
 
     def __init__(self, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
-                 dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True, **_):
+                 dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, **_):
         try:
             from vllm import LLM
         except ImportError:
@@ -37,6 +38,7 @@ class VllmEngine(Engine):
         # and run() can step the engine until the connector has written everything.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         self.llm = LLM(model=str(model), dtype=dtype or "auto", trust_remote_code=trust_remote_code,
+                       tensor_parallel_size=tensor_parallel_size,
                        speculative_config=speculative_config(
                            aux_layer_ids(target_layer_ids, num_hidden_layers(model, None))),
                        kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": sinks.to_extra_config()},
