@@ -233,7 +233,7 @@ def run_server(command: list[str], env: dict[str, str], url: str | None, timeout
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        if url is None:  # a --headless follower serves no API: it runs until its head goes away
+        if url is None:  # a --headless follower serves no API, and runs until stopped (not with its head)
             print("vLLM headless follower started; it serves its head's requests", file=sys.stderr, flush=True)
         else:
             wait_healthy(url, proc, timeout)
