@@ -19,7 +19,7 @@ from dspark.connector.base import SOURCES, Sample
 from dspark.connector.live import LiveConfig
 from dspark.connector.manifest import StoreManifest, manifest_for_model
 from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
-                                       MooncakeUnavailable, connect, master_binary, pack,
+                                       MooncakeUnavailable, connect, master_binary, object_key, pack,
                                        sample_key)
 from dspark.connector.zarr_store import ZarrStore
 from dspark.prepare import PreparedData
@@ -205,7 +205,7 @@ def test_corrupted_objects_are_rejected(master):
     good = _sample(1)
     transfer = sink.put(good)
     assert torch.equal(reader.get(1, transfer, timeout=2).hidden_states, good.hidden_states)
-    buf, _ = pack(good, m, sink.key(good))
+    buf, _ = pack(good, m, object_key(m, good))
     bad = [("truncated", buf[:-64], "has .* bytes, its manifest says"),
            ("flipped", np.where(np.arange(len(buf)) == 5, buf ^ 0xFF, buf).astype(np.uint8), "checksum")]
     for name, data, match in bad:

@@ -6,7 +6,6 @@ import signal
 import subprocess
 
 import pytest
-import torch
 
 from conftest import LAYERS, run_cli, wait_for, write_jsonl
 from dspark.connector.zarr_store import ZarrStore

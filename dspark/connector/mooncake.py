@@ -131,6 +131,11 @@ def sample_key(manifest: StoreManifest, sample_id: int) -> str:
     return f"dspark/{namespace(manifest)}/{sample_id}"
 
 
+def object_key(manifest: StoreManifest, sample: Sample) -> str:
+    """Where a sample lives: the handle its request was given, else the key of its sample id."""
+    return sample.handle or sample_key(manifest, sample.sample_id)
+
+
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -304,9 +309,6 @@ class MooncakeSink(Sink):
         self._pending: list[Future] = []
         self.samples_written = self.bytes_written = 0
 
-    def key(self, sample: Sample) -> str:
-        return sample.handle or sample_key(self.manifest, sample.sample_id)
-
     def has(self, sample_id: int) -> bool:
         return self.store.exists(sample_key(self.manifest, sample_id))[0]
 
@@ -329,7 +331,7 @@ class MooncakeSink(Sink):
 
     def put(self, sample: Sample) -> dict:
         """Publish one sample now; returns its full transfer manifest (with the checksum)."""
-        key = self.key(sample)
+        key = object_key(self.manifest, sample)
         with self._lock:
             _, total = layout(len(sample.token_ids), self.manifest)
             buf, transfer = pack(sample, self.manifest, key, self.store.staging("put", total))
@@ -434,7 +436,7 @@ class MooncakeReader:
         return sample
 
     def delete(self, sample: Sample) -> None:
-        key = sample.handle or sample_key(self.manifest, sample.sample_id)
+        key = object_key(self.manifest, sample)
         self.store.remove(key, key + ":manifest", key + ":error")
 
 

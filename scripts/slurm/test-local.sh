@@ -37,6 +37,7 @@ servers_left() { pgrep -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $E
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 wait_gone() { for _ in $(seq 120); do case $(job_state "$1") in PENDING|RUNNING|COMPLETING) sleep 1 ;; *) return 0 ;; esac; done; fail "job $1 did not end"; }
 checkpoints() { ls -d "$1"/checkpoints/step-* 2>/dev/null | wc -l; }
+cached() { .venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])'; }
 
 # 1. live: cancel mid-training, resubmit, resume.
 t1=$SECONDS
@@ -58,13 +59,13 @@ wait_gone "$job"
 echo "live job $job cancelled at $(basename "$(readlink -f "$SAVE_PATH/latest")") after $((SECONDS - t1))s"
 sleep 2
 [ -z "$(servers_left)" ] || fail "servers outlived the cancelled job: $(servers_left)"
-cached_before=$(.venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])')
+cached_before=$(cached)
 job2=$(sbatch --parsable --wait --nodes=1 --output="$W/live-%j.out" scripts/slurm/run.sbatch) \
   || fail "resubmitted live job failed: $(tail -n 20 "$W"/live-*.out)"
 grep -q "resuming $SAVE_PATH from step-" "$SAVE_PATH/logs/$job2/train.log" || fail "job $job2 did not resume"
 [ -z "$(servers_left)" ] || fail "servers outlived job $job2: $(servers_left)"
 .venv/bin/dspark store verify "$CACHE" --no-progress || fail "the live cache does not verify"
-cached_after=$(.venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])')
+cached_after=$(cached)
 .venv/bin/python - "$SAVE_PATH" "$cached_before" "$cached_after" <<'PY' || fail "the resumed run is wrong"
 import json, sys
 from pathlib import Path
