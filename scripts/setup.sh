@@ -21,7 +21,8 @@ fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-if ! python -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store" 2>/dev/null; then
+# -I: not from this folder, whose docker/ would pass for the docker package
+if ! python -I -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store, docker" 2>/dev/null; then
   pip install -q "torch==2.13.0"
   pip install -q -e ".[dev,mooncake]" "torchvision==0.28.*" "torchaudio==2.11.1"
   pip uninstall -q -y torchvision torchaudio

@@ -1,0 +1,169 @@
+"""The compose pipeline end to end on the CPU defaults, inspected through the docker SDK.
+
+Run by scripts/docker-e2e.sh once both images exist (scripts/docker-build.sh):
+  1. live: `docker compose up -d`; once training has checkpointed, the trainer container is
+     killed (SIGKILL); `up -d` again must resume it from that checkpoint, finish, and stop the
+     master and the extractor; then checkpoints, eval report, export and a verified cache;
+  2. `docker compose up` once more (attached) exits by itself and redoes nothing;
+  3. offline: `docker compose --profile offline up` (attached): extract --to zarr, train, eval,
+     export, and a store that `dspark store verify` accepts.
+It prints the wall time of each part and the image sizes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import docker
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECT = os.environ.get("E2E_PROJECT", "dspark-e2e")
+TAG = os.environ.get("DSPARK_TAG", "latest")
+NAME = "demo"
+client = docker.from_env()
+
+
+def say(msg: str) -> None:
+    print(f"[docker-e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def compose(env: dict, *args: str, timeout: float = 1800) -> None:
+    subprocess.run(["docker", "compose", "-p", PROJECT, *args], cwd=ROOT, env=env, check=True, timeout=timeout)
+
+
+def containers(service: str | None = None) -> list:
+    labels = [f"com.docker.compose.project={PROJECT}"]
+    if service:
+        labels.append(f"com.docker.compose.service={service}")
+    return client.containers.list(all=True, filters={"label": labels})
+
+
+def container(service: str):
+    found = containers(service)
+    assert len(found) == 1, f"{service}: expected one container, found {len(found)}"
+    return found[0]
+
+
+def state(c) -> dict:
+    c.reload()
+    return c.attrs["State"]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            dump_logs()
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def dump_logs() -> None:
+    for c in containers():
+        print(f"--- {c.name} ({state(c)['Status']}, exit {state(c)['ExitCode']})", file=sys.stderr)
+        print(c.logs(tail=30).decode(errors="replace"), file=sys.stderr)
+
+
+def exited_ok(*services: str) -> None:
+    for s in services:
+        st = state(container(s))
+        if st["Status"] != "exited" or st["ExitCode"] != 0:
+            dump_logs()
+            raise AssertionError(f"{s}: {st['Status']}, exit code {st['ExitCode']} (expected exited, 0)")
+
+
+def checkpoints(run: Path) -> list[str]:
+    return sorted(p.name for p in (run / "checkpoints").glob("step-[0-9]*") if not p.name.endswith(".tmp"))
+
+
+def dspark(cache: Path, *args: str) -> str:
+    """`dspark ARGS` in a throwaway trainer container, with the cache mounted."""
+    out = client.containers.run(f"dspark-trainer:{TAG}", list(args), remove=True,
+                                volumes={str(cache): {"bind": "/cache", "mode": "rw"}})
+    return out.decode()
+
+
+def check_outputs(cache: Path, source: str, store: str) -> dict:
+    """A finished run: its checkpoints, eval report and export, and a store that verifies."""
+    run = cache / "runs" / f"{NAME}-{source}"
+    ckpts = checkpoints(run)
+    assert ckpts, f"no checkpoint in {run}"
+    latest = (run / "latest").resolve()
+    assert latest.name == ckpts[-1], f"latest -> {latest.name}, newest checkpoint {ckpts[-1]}"
+    report = json.loads((latest / "eval" / "eval.json").read_text())
+    assert (latest / "eval" / "eval.png").stat().st_size > 0
+    export = cache / "export" / f"{NAME}-{source}"
+    cfg = json.loads((export / "config.json").read_text())
+    assert (export / "model.safetensors").stat().st_size > 0
+    verify = dspark(cache, "store", "verify", f"/cache/{store}")
+    say(f"{source}: {len(ckpts)} checkpoints, latest {latest.name}; eval {sorted(report)[:4]}...; "
+        f"export {cfg.get('architectures')}; store verify: {verify.strip().splitlines()[-1]}")
+    return {"run": run, "latest": latest, "export": export}
+
+
+def main() -> None:
+    cache = Path(tempfile.mkdtemp(prefix="dspark-e2e-"))
+    os.chown(cache, 1000, 1000)  # the containers' user (DSPARK_UID)
+    env = {**os.environ, "DSPARK_CACHE": str(cache), "DSPARK_TAG": TAG}
+    times = {}
+    try:
+        # 1. live, with the trainer killed once it has checkpointed
+        t = time.monotonic()
+        compose(env, "up", "-d")
+        say(f"stack up (extractor healthy) in {time.monotonic() - t:.0f}s")
+        run = cache / "runs" / f"{NAME}-mooncake"
+        trainer = container("trainer")
+        wait_until(lambda: checkpoints(run) or state(trainer)["Status"] == "exited", 900, "a first checkpoint")
+        assert state(trainer)["Status"] == "running", "the trainer ended before it could be killed"
+        trainer.kill()
+        killed_at = (run / "latest").resolve().name
+        say(f"trainer killed (SIGKILL) after {killed_at}")
+        for s in ("mooncake-master", "extractor"):
+            st = state(container(s))
+            assert st["Status"] == "running" and st["Health"]["Status"] == "healthy", f"{s}: {st}"
+        compose(env, "up", "-d")
+        servers = [container(s) for s in ("mooncake-master", "extractor", "trainer")]
+        wait_until(lambda: all(state(c)["Status"] == "exited" for c in servers), 1800, "the live pipeline to finish")
+        exited_ok("prepare", "mooncake-master", "extractor", "trainer")
+        logs = container("trainer").logs().decode(errors="replace")
+        assert f"from {killed_at}" in logs, f"the trainer did not resume from {killed_at}:\n{logs[-2000:]}"
+        live = check_outputs(cache, "mooncake", f"live-cache/{NAME}")
+        assert checkpoints(live["run"])[-1] > killed_at
+        times["live (kill + resume)"] = time.monotonic() - t
+
+        # 2. up again: exits by itself, redoes nothing
+        t = time.monotonic()
+        before = {p: p.stat().st_mtime for p in (live["latest"] / "eval" / "eval.json", live["export"] / "config.json")}
+        compose(env, "up", timeout=1200)
+        exited_ok("prepare", "mooncake-master", "extractor", "trainer")
+        assert checkpoints(live["run"])[-1] == live["latest"].name, "training ran again"
+        assert all(p.stat().st_mtime == m for p, m in before.items()), "eval or export ran again"
+        times["live, up again (nothing to do)"] = time.monotonic() - t
+
+        # 3. offline
+        t = time.monotonic()
+        compose(env, "--profile", "offline", "up", timeout=1800)
+        exited_ok("prepare", "extract", "train-offline")
+        check_outputs(cache, "zarr", f"stores/{NAME}")
+        times["offline"] = time.monotonic() - t
+    finally:
+        compose(env, "--profile", "live", "--profile", "offline", "down", "--remove-orphans", timeout=300)
+        # The containers wrote as uid 1000; a root CI can remove it, a user keeps it to look at.
+        if os.environ.get("E2E_KEEP") != "1":
+            shutil.rmtree(cache, ignore_errors=True)
+    for what, secs in times.items():
+        say(f"{what}: {secs:.0f}s")
+    for image in ("trainer", "extractor"):
+        size = client.images.get(f"dspark-{image}:{TAG}").attrs["Size"]
+        say(f"dspark-{image}:{TAG}: {size / 2**30:.2f} GiB")
+    say("ok")
+
+
+if __name__ == "__main__":
+    main()
