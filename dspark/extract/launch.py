@@ -228,8 +228,10 @@ def run_server(command: list[str], env: dict[str, str], url: str | None, timeout
     proc = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
 
     def forward(signum: int, _frame) -> None:  # `kill LAUNCHER` (or Ctrl-C) stops vLLM too
+        # The server alone: it shuts its engine processes down in order (signalled together, the
+        # engine dies first and the server logs EngineDeadError); `stop` below sweeps the group.
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signum)
+            os.kill(proc.pid, signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
