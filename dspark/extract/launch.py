@@ -151,7 +151,8 @@ def sink_config(args: argparse.Namespace) -> dict:
 
 
 def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
-    """The server's argv, the environment it adds, and the two configs (what --print-only shows)."""
+    """The server's argv, the environment it adds, the /health URL to wait for (None for a headless
+    follower) and the two configs: what --print-only shows."""
     clash = sorted({f.split("=")[0].replace("_", "-") for f in vllm_flags} & OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
@@ -159,13 +160,16 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
     layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(args.model, args.num_hidden_layers))
     spec = speculative_config(layers)
     kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
-    # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`.
-    server = (["dspark.extract.vllm_cli", "serve", args.model] if "--headless" in vllm_flags
+    # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`, and
+    # serves no API: nothing to wait for.
+    headless = "--headless" in vllm_flags
+    server = (["dspark.extract.vllm_cli", "serve", args.model] if headless
               else ["vllm.entrypoints.openai.api_server", "--model", args.model])
     command = [args.python, "-m", *server, "--host", args.host, "--port", str(args.port),
                *(["--trust-remote-code"] if args.trust_remote_code else []),
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
-    return {"command": command, "env": cpu_env(), "speculative_config": spec, "kv_transfer_config": kv}
+    return {"command": command, "env": cpu_env(), "health": None if headless else health_url(args.host, args.port),
+            "speculative_config": spec, "kv_transfer_config": kv}
 
 
 def speculative_config(layer_ids: list[int]) -> dict:
@@ -254,8 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.print_only:
             print(json.dumps(plan, indent=2))
             return
-        url = None if "--headless" in vllm_flags else health_url(args.host, args.port)
-        sys.exit(run_server(plan["command"], plan["env"], url, args.health_timeout))
+        sys.exit(run_server(plan["command"], plan["env"], plan["health"], args.health_timeout))
     except DsparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
