@@ -5,18 +5,26 @@ trainer cannot tell which engine answered. A request's `kv_transfer_params` may 
 `sample_id` (key the sample by its prepared-data id) and `prepared_fingerprint` (the
 data set it belongs to, part of the store identity); a server started with a pinned
 data set (a Zarr store) refuses requests for another one.
+
+`plan` is where a client's `kv_transfer_params` are checked: whatever a client sends,
+a bad value is an `InputError` (an HTTP 400), never a crash or a key built from it.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from numbers import Integral
 
 from dspark.connector.base import Sink, close_all, open_sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import StoreManifest, manifest_for_model
 from dspark.connector.mooncake import sample_key, transfer_params
 from dspark.errors import InputError
+
+# Each data set gets its own manifest and sinks (a Mooncake sink is a client that mounts
+# memory): a client naming one random data set per request must not exhaust the host.
+MAX_DATA_SETS = 16
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,9 @@ class Producer:
     def manifest(self, prepared_fingerprint: str) -> StoreManifest:
         with self._lock:
             if prepared_fingerprint not in self._manifests:
+                if len(self._manifests) >= MAX_DATA_SETS:
+                    raise InputError(f"this extractor already writes {len(self._manifests)} data sets, the most "
+                                     f"one process takes", "start another extractor for more data sets")
                 c = self.config
                 self._manifests[prepared_fingerprint] = manifest_for_model(
                     self._model, self._layers, prepared_fingerprint, c.encoding, c.chunk_tokens, c.verifier_name,
@@ -47,10 +58,21 @@ class Producer:
             return self._manifests[prepared_fingerprint]
 
     def plan(self, request_id: str, params: dict | None, num_tokens: int) -> Planned:
-        params = params or {}
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise InputError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}",
+                             'send {"sample_id": ..., "prepared_fingerprint": ...}')
         sample_id = params.get("sample_id")
+        if sample_id is not None:  # an in-process caller may pass numpy ints; a bool is an int too, and refused
+            if not (isinstance(sample_id, Integral) and not isinstance(sample_id, bool) and sample_id >= 0):
+                raise InputError(f"kv_transfer_params.sample_id must be a non-negative integer, got {sample_id!r:.40}",
+                                 "send the prepared-data sample id")
+            sample_id = int(sample_id)
         pinned = self.config.prepared_fingerprint
         fingerprint = params.get("prepared_fingerprint") or pinned or ""
+        if not (isinstance(fingerprint, str) and len(fingerprint) <= 128):
+            raise InputError(f"kv_transfer_params.prepared_fingerprint must be a string (the prepared data's "
+                             f"fingerprint), got {fingerprint!r:.40}", "send the prepared data's fingerprint")
         if pinned and fingerprint != pinned:  # never mix two data sets in one store
             raise InputError(f"this extractor writes prepared data {pinned[:12]}, the request is for {fingerprint[:12]}",
                              "start the extractor with the trainer's --data")
@@ -67,7 +89,7 @@ class Producer:
             if prepared_fingerprint not in self._sinks:
                 c = self.config
                 self._sinks[prepared_fingerprint] = open_sink(c.to, store=c.store, manifest=manifest,
-                                                              mooncake=c.mooncake)
+                                                              mooncake=c.mooncake, rewrite=c.rewrite)
             return self._sinks[prepared_fingerprint]
 
     def flush(self) -> None:
