@@ -221,6 +221,9 @@ def _train_options(f):
         click.option("--seed", type=int, default=0, show_default=True),
         click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
         click.option("--max-steps", type=int, default=None, help="Stop after this many steps (resumable)."),
+        click.option("--on-damaged", type=click.Choice(["skip", "raise"]), default="skip", show_default=True,
+                     help="A sample failing its checksum (or whose chunk is lost): skip it, named at the end, "
+                          "or stop."),
     ]
     for o in reversed(opts):
         f = o(f)
@@ -332,11 +335,13 @@ def launch_vllm(argv):
 @click.option("--split", type=click.Choice(["val", "all"]), default="val", show_default=True)
 @click.option("--output", default=None, help="Folder for eval.json/.md/.png (default: CHECKPOINT/eval).")
 @click.option("--device", default="auto", show_default=True)
-def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device):
+@click.option("--on-damaged", type=click.Choice(["skip", "raise"]), default="skip", show_default=True,
+              help="A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
+def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged):
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG)."""
     from dspark.evaluate import markdown, run_eval
 
-    result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device)
+    result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
 
@@ -374,7 +379,7 @@ def replay_cmd(run, store, tolerance, no_progress):
 
 @main.group()
 def store():
-    """Inspect and check hidden-state stores."""
+    """Inspect, check and repair hidden-state stores."""
 
 
 @store.command("info")
@@ -388,23 +393,58 @@ def store_info(path):
 
 @store.command("verify")
 @click.argument("path")
+@click.option("--data", default=None,
+              help="The prepared folder the store was extracted from: also find the samples the store lacks.")
 @click.option("--no-progress", is_flag=True)
-def store_verify(path, no_progress):
-    """Read every sample back against its checksum; non-zero exit on any damage."""
-    from tqdm import tqdm
-
-    from dspark.connector.zarr_store import ZarrStore
-    from dspark.errors import StoreError
+def store_verify(path, data, no_progress):
+    """Read every sample back against its checksum, report damaged index records and, with --data,
+    missing samples; non-zero exit on any of them."""
+    from dspark.connector.zarr_store import ZarrStore, check_store
+    from dspark.errors import StoreError, StoreMismatch, repair_command
+    from dspark.prepare import PreparedData
 
     s = ZarrStore(path)
-    bad = [(i, why) for i in tqdm(s.sample_ids, desc="verify", unit="sample", disable=no_progress)
-           if (why := s.damaged(i))]
-    for i, why in bad[:20]:
-        click.echo(f"sample {i}: {why}", err=True)
-    if bad:
-        raise StoreError(f"{len(bad)} of {len(s)} samples in {path} are damaged",
-                         "re-extract them: delete the store's damaged segment or extract into a new store")
-    click.echo(f"ok: {len(s)} samples verified in {path}")
+    prepared = PreparedData(data) if data else None
+    if prepared and prepared.fingerprint != s.manifest.prepared_fingerprint:
+        raise StoreMismatch(f"store {path} was extracted from other prepared data than {data}",
+                            "pass --data the prepared folder the store was extracted from")
+    found = check_store(s, len(prepared) if prepared else None, progress=not no_progress)
+    for i in sorted(found.damaged)[:20]:
+        click.echo(f"sample {i}: {found.damaged[i]}", err=True)
+    for seg, off, after in found.damaged_records[:20]:
+        click.echo(f"segment {seg}: index record {off // 32} (byte {off}) is damaged; the {after} valid records "
+                   "after it are read", err=True)
+    if found.missing:
+        click.echo(f"missing: {len(found.missing)} of {len(prepared)} prepared samples, first {found.missing[:20]}",
+                   err=True)
+    if found.problems:
+        raise StoreError(f"store {path}: " + "; ".join(found.problems),
+                         f"{repair_command(path, data)} re-extracts exactly these samples"
+                         + ("" if prepared else " (and `store verify --data` names the missing ones)"))
+    note = "" if prepared else " (not compared with the prepared data: pass --data to find missing samples)"
+    click.echo(f"ok: {len(s)} samples verified in {path}" + (f", all {len(prepared)} prepared samples present"
+                                                             if prepared else note))
+
+
+@store.command("repair")
+@click.argument("path")
+@click.option("--data", required=True, help="The prepared folder the store was extracted from.")
+@click.option("--model", required=True, help="The verifier folder the store was extracted with.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--batch-tokens", type=int, default=8192, show_default=True,
+              help="As the store's extraction used: the same batches give byte-identical states.")
+@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option("--trust-remote-code", is_flag=True)
+@click.option("--no-progress", is_flag=True)
+def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code, no_progress):
+    """Re-extract exactly the damaged and missing samples (transformers engine) into a new segment.
+
+    Healthy segments are not touched; reads take the new copies from then on.
+    """
+    from dspark.extract.runner import run_repair
+
+    _echo_json(run_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code,
+                          progress=not no_progress))
 
 
 if __name__ == "__main__":

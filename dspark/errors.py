@@ -25,3 +25,18 @@ class StoreError(DsparkError):
 
 class StoreMismatch(StoreError):
     """A store written for another verifier, layer set, data set or format."""
+
+
+def repair_command(store: str, data: str | None = None, model: str | None = None) -> str:
+    """The command that re-extracts exactly the damaged and missing samples of a store."""
+    return f"`dspark store repair {store} --data {data or 'PREPARED'} --model {model or 'VERIFIER'}`"
+
+
+class DamagedSample(StoreError):
+    """A sample the store indexes but cannot give back intact (checksum mismatch, missing or
+    undecodable chunk). Readers decide: skip it (`--on-damaged skip`) or stop."""
+
+    def __init__(self, sample_id: int, location: str, reason: str):
+        self.sample_id, self.location, self.reason = sample_id, location, reason
+        super().__init__(f"sample {sample_id} in {location} is damaged ({reason})",
+                         f"re-extract the damaged samples: {repair_command(location)}")

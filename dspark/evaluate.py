@@ -189,7 +189,10 @@ def plot(result: dict, path: Path, title: str) -> None:
 
 
 def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str | None, output: str | None,
-             split: str, device: str = "auto") -> tuple[dict, Path]:
+             split: str, device: str = "auto", on_damaged: str = "skip") -> tuple[dict, Path]:
+    """Score a checkpoint; damaged samples are skipped and named (`on_damaged="skip"`) or stop it ("raise")."""
+    import sys
+
     from dspark.connector.zarr_store import ZarrStore
     from dspark.prepare import PreparedData
     from dspark.train.checkpoint import require_checkpoint
@@ -209,11 +212,14 @@ def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str |
                           target_layer_ids=[])
     source = ZarrStore(store)
     data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
-                     cfg.seed)
+                     cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None)
     model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
     batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
     result = evaluate(model, data, batches, dev, cfg)
     result.update(checkpoint=str(ckpt), store=str(store), split=split)
+    if data.damaged:
+        result["damaged_skipped"] = sorted(data.damaged)
+        print(f"warning: {data.damaged_report()}", file=sys.stderr)
     out = Path(output) if output else ckpt / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps(result, indent=2))

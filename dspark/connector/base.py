@@ -21,8 +21,10 @@ Sink lifecycle (one writer session; write and flush may be called from several t
 Source lifecycle (shared by the loader's reader threads)
     manifest, sample_ids, fingerprint()   what the source holds and its content identity
     location       where the samples live (a path or address), for messages
-    read(id)       thread-safe; the sample, or None when a live source could not get it (the
-                   batch trains without it). Offline sources raise for an absent sample.
+    read(id)       thread-safe; the sample, its checksum verified, or None when a live source
+                   could not get it (the batch trains without it). Offline sources raise for an
+                   absent sample, and `DamagedSample` for one they hold but cannot give back
+                   intact (the trainer's --on-damaged decides what happens then).
     live           False: every prepared sample must be present before training starts.
                    True: samples arrive as they are read (fetched, then cached).
     stats          counters worth logging ({} when there are none).

@@ -1,6 +1,8 @@
 """The trainer's live source: local Zarr cache first, then the extraction server + Mooncake.
 
-    read(id): cache hit -> cache
+    read(id): cache hit -> cache (checksum verified)
+              damaged   -> a cached sample that fails its checksum or decode counts as a miss:
+                           fetched again and written through; readers take the new copy
               miss      -> ask --vllm-endpoint to extract it (or, with no endpoint, wait for a
                            producer-driven `dspark extract --to mooncake`), read it from Mooncake,
                            validate it, write it through to the cache, delete it from Mooncake
@@ -29,7 +31,7 @@ from dspark.connector.base import PromptSet, Sample, Source, register_source
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake import CorruptObject, MooncakeConfig, MooncakeError, MooncakeReader, ProducerFailed
 from dspark.connector.zarr_store import ZarrSink, ZarrStore
-from dspark.errors import DsparkError, StoreError
+from dspark.errors import DamagedSample, DsparkError, StoreError
 
 log = logging.getLogger("dspark.live")
 
@@ -95,7 +97,7 @@ class TieredSource(Source):
         self._lock = threading.Lock()
         self._failures = 0
         self._degraded = False
-        self._stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0}
+        self._stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0, "damaged_refetched": 0}
 
     # --- the Source interface the trainer uses ---------------------------------
     @property
@@ -117,8 +119,18 @@ class TieredSource(Source):
                 self.cache.refresh()
             hit = sample_id in self.cache
             self._stats["cache_hits"] += hit
-        # Reads run outside the lock: the loader's threads read the cache concurrently.
-        return self.cache.read(sample_id) if hit else self._miss(sample_id)
+        if not hit:
+            return self._miss(sample_id)
+        try:  # outside the lock: the loader's threads read the cache concurrently
+            return self.cache.read(sample_id)
+        except DamagedSample as e:
+            if self.cfg.on_missing != "generate":
+                raise  # nothing to fetch it from: the trainer's --on-damaged decides
+            log.warning("%s: fetching it again", e.what)
+            with self._lock:
+                self._stats["damaged_refetched"] += 1
+                self.sink.rewrite([sample_id])
+            return self._miss(sample_id)
 
     def close(self) -> None:
         with self._lock:
@@ -143,6 +155,8 @@ class TieredSource(Source):
             if not self.sink.has(sample_id):
                 self.sink.write(sample)
                 self.sink.flush()  # visible to later epochs (and a killed run) at once
+                if sample_id in self.cache:  # it replaces a damaged copy: index the new one now
+                    self.cache.refresh()
             self._failures = 0
             if self._degraded:
                 log.warning("live source is back: extraction requests succeed again")

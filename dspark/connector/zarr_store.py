@@ -16,13 +16,26 @@ Why it is safe without locks:
 - Arrays are created with a fixed huge capacity; nothing resizes, so array
   metadata is never rewritten after creation.
 - A sample's index record is appended only after every chunk holding its
-  tokens is written. Readers ignore torn or corrupt trailing records, so a
-  sample is visible completely or not at all, whenever the writer dies.
+  tokens is written. Readers ignore a torn trailing record, so a sample is
+  visible completely or not at all, whenever the writer dies.
+
+Damage (a flipped byte, a lost or truncated chunk file, a damaged index record):
+- Index records are fixed-size and each carries its own CRC: a damaged record is
+  skipped and counted (`damaged_records`), and every record after it still reads.
+- Every sample carries a CRC32 of its stored bytes; `read` checks it by default
+  (about a tenth of the decode time, see README). A missing chunk reads back as
+  zeros (zarr's fill value) and fails the checksum; an undecodable one fails to
+  decode; either way the reader gets `DamagedSample`, never wrong numbers.
+- Repair appends a fresh copy of a damaged sample to a new segment and leaves the
+  damaged one where it is. An id with several records (a repair, or concurrent
+  writers that both wrote it) reads from the first record that reads back valid,
+  in segment order, so healthy segments are never rewritten.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import struct
@@ -43,7 +56,7 @@ from zarr.codecs import BloscCodec
 from dspark.connector.base import Sample, Sink, Source, done, register_sink, register_source
 from dspark.connector.encoding import bytes_per_token, decode, encode, sample_crc, stored_numpy_dtype
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
-from dspark.errors import InputError, StoreError
+from dspark.errors import DamagedSample, InputError, StoreError
 
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
 _RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
@@ -58,16 +71,56 @@ class IndexEntry:
     crc: int
 
 
-def _read_index(path: Path) -> list[tuple[int, int, int, int]]:
-    """Complete, CRC-valid records; a torn or damaged tail is ignored."""
+def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int]]]:
+    """CRC-valid records, and (byte offset, valid records after it) of each damaged one.
+
+    Records are fixed-size, so a damaged record hides nothing: the scan goes on at
+    the next record boundary. A partial record at the end (a writer killed
+    mid-append) is a crash artefact and ignored silently; so are whole zero
+    records at the end (a crash that grew the file before its data reached disk).
+    """
     data = path.read_bytes() if path.exists() else b""
-    out = []
-    for off in range(0, len(data) - len(data) % _RECORD.size, _RECORD.size):
+    end = len(data) - len(data) % _RECORD.size
+    out, bad = [], []
+    for off in range(0, end, _RECORD.size):
         sid, start, length, crc, rcrc = _RECORD.unpack_from(data, off)
         if zlib.crc32(data[off : off + _BODY.size]) != rcrc:
-            break  # a record is appended only after its predecessors: nothing valid follows
+            bad.append(off)
+            continue
         out.append((sid, start, length, crc))
-    return out
+    while bad and bad[-1] == end - _RECORD.size and not any(data[bad[-1] : end]):
+        end = bad.pop()  # a zeroed tail
+    # every record before `end` is either valid or damaged: count the valid ones after each damaged one
+    return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
+
+
+def _chunk_problem(path: Path) -> str | None:
+    """None if the chunk file exists and is as long as its Blosc header says, else what is wrong.
+
+    Reads 16 bytes, decodes nothing: cheap enough for every resume. A flipped byte
+    inside a chunk needs the full read of `ZarrStore.damaged`.
+    """
+    try:
+        with open(path, "rb") as f:
+            head, size = f.read(16), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return "is missing"
+    # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
+    want = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
+    return None if want == size else f"is truncated ({size} of {want or '?'} bytes)"
+
+
+@dataclass
+class _Index:
+    """One consistent view of the segment indexes (a refresh swaps the whole view at once)."""
+
+    first: dict[int, IndexEntry]  # the first record of each id, in segment order
+    others: dict[int, tuple[IndexEntry, ...]]  # later records of the same id (repairs, concurrent writers)
+    damaged_records: list[tuple[str, int, int]]  # (segment, byte offset, valid records after it) failing their CRC
+    chosen: dict[int, IndexEntry] = field(default_factory=dict)  # ids with several records: the valid one
+
+    def records(self, sample_id: int) -> tuple[IndexEntry, ...]:
+        return (self.first[sample_id], *self.others.get(sample_id, ()))
 
 
 class _Segment:
@@ -122,60 +175,108 @@ class ZarrStore(Source):
         self.manifest = StoreManifest.load(self.root)
         self._fp8 = self.manifest.encoding == "fp8_e4m3"
         self._segments: dict[str, _Segment] = {}
-        self.duplicates = 0
+        self._seg_lock = threading.Lock()
         self.refresh()
 
     def refresh(self) -> None:
         """Re-read the segment indexes (picks up samples written since opening)."""
-        index: dict[int, IndexEntry] = {}
-        self.duplicates = 0
+        first: dict[int, IndexEntry] = {}
+        others: dict[int, list[IndexEntry]] = {}
+        bad: list[tuple[str, int, int]] = []
         seg_root = self.root / "segments"
         for seg in sorted(p.name for p in seg_root.iterdir()) if seg_root.exists() else []:
-            for sid, start, length, crc in _read_index(seg_root / seg / "index.bin"):
-                if sid in index:
-                    self.duplicates += 1  # concurrent writers may both write a sample: first wins
-                    continue
-                index[sid] = IndexEntry(seg, start, length, crc)
-        self._index = index
+            records, damaged = _read_index(seg_root / seg / "index.bin")
+            bad += [(seg, off, after) for off, after in damaged]
+            for sid, start, length, crc in records:
+                e = IndexEntry(seg, start, length, crc)
+                if sid in first:  # concurrent writers, or a repair: the first valid record is read
+                    others.setdefault(sid, []).append(e)
+                else:
+                    first[sid] = e
+        self._view = _Index(first, {k: tuple(v) for k, v in others.items()}, bad)
+
+    @property
+    def duplicates(self) -> int:
+        """Records beyond the first for their sample id."""
+        return sum(map(len, self._view.others.values()))
+
+    @property
+    def damaged_records(self) -> list[tuple[str, int, int]]:
+        """(segment, byte offset, valid records after it) of every index record failing its CRC.
+
+        The sample it held is missing (unless stored again elsewhere); the records after it are read.
+        """
+        return list(self._view.damaged_records)
 
     @property
     def sample_ids(self) -> list[int]:
-        return sorted(self._index)
+        return sorted(self._view.first)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._view.first)
 
     def __contains__(self, sample_id: int) -> bool:
-        return sample_id in self._index
+        return sample_id in self._view.first
 
     def entry(self, sample_id: int) -> IndexEntry:
-        try:
-            return self._index[sample_id]
-        except KeyError:
+        """The record a read uses: the first one, or the first that read back valid."""
+        v = self._view
+        if sample_id not in v.first:
             raise StoreError(f"sample {sample_id} is not in store {self.root}",
-                             "extract it first (`dspark extract` resumes and fills gaps)") from None
+                             "extract it first (`dspark extract` resumes and fills gaps)")
+        return v.chosen.get(sample_id, v.first[sample_id])
 
     def _segment(self, name: str) -> _Segment:
-        if name not in self._segments:
-            self._segments[name] = _Segment(self.root / "segments" / name, self._fp8)
-        return self._segments[name]
+        with self._seg_lock:  # reader threads: open each segment's arrays once
+            if name not in self._segments:
+                self._segments[name] = _Segment(self.root / "segments" / name, self._fp8)
+            return self._segments[name]
 
-    def _read_raw(self, sample_id: int):
-        e = self.entry(sample_id)
+    def _read_entry(self, e: IndexEntry):
         seg = self._segment(e.segment)
         tokens = seg.read("token_ids", e.start, e.length).astype(np.int64)
-        return e, tokens, seg.read("hidden", e.start, e.length), seg.read("scales", e.start, e.length)
+        return tokens, seg.read("hidden", e.start, e.length), seg.read("scales", e.start, e.length)
 
-    def read(self, sample_id: int, check: bool = False) -> Sample:
-        e, tokens, payload, scales = self._read_raw(sample_id)
-        if check and sample_crc(tokens, payload, scales) != e.crc:
-            raise StoreError(f"sample {sample_id} in {self.root} fails its checksum",
-                             "run `dspark store verify`, then re-extract the damaged samples")
+    def _read_raw(self, sample_id: int, check: bool = True):
+        """(record, tokens, payload, scales) of the first record that reads back whole, else DamagedSample.
+
+        `check` verifies the checksum; an id with several records is always checked
+        until one has read back valid, so a repaired copy wins over a damaged one.
+        """
+        v = self._view
+        if sample_id not in v.first:
+            self.entry(sample_id)  # raises: not in the store
+        records = v.records(sample_id)
+        chosen = v.chosen.get(sample_id)
+        if chosen is not None:
+            records = (chosen, *(e for e in records if e is not chosen))
+        check = check or (len(records) > 1 and chosen is None)
+        problems = []
+        for e in records:
+            try:
+                tokens, payload, scales = self._read_entry(e)
+            except Exception as exc:  # a missing/undecodable chunk is damage, whatever zarr raises
+                problems.append(f"unreadable: {type(exc).__name__}: {str(exc)[:120]}")
+                continue
+            if check and sample_crc(tokens, payload, scales) != e.crc:
+                problems.append("checksum mismatch")
+                continue
+            if len(records) > 1:
+                v.chosen[sample_id] = e
+            return e, tokens, payload, scales
+        raise DamagedSample(sample_id, self.location, "; ".join(dict.fromkeys(problems)))
+
+    def read(self, sample_id: int, check: bool = True) -> Sample:
+        """The sample, its checksum verified (`check=False` skips that, not the decode).
+
+        Raises DamagedSample for a sample indexed here that does not read back intact.
+        """
+        _, tokens, payload, scales = self._read_raw(sample_id, check)
         m = self.manifest
         return Sample(sample_id, tokens, decode(payload, scales, m.encoding, m.dtype))
 
     def iter_samples(self, ids: Iterable[int] | None = None, read_ahead: int = 4,
-                     check: bool = False) -> Iterator[Sample]:
+                     check: bool = True) -> Iterator[Sample]:
         """Samples in the given order, `read_ahead` of them fetched in background threads."""
         ids = list(self.sample_ids if ids is None else ids)
         with ThreadPoolExecutor(max(1, read_ahead)) as pool:
@@ -189,19 +290,53 @@ class ZarrStore(Source):
     def damaged(self, sample_id: int) -> str | None:
         """None if the sample reads back with its checksum, else what is wrong."""
         try:
-            e, tokens, payload, scales = self._read_raw(sample_id)
-        except Exception as exc:  # a missing/undecodable chunk is damage, whatever zarr raises
-            return f"unreadable ({type(exc).__name__}: {exc})"
-        if sample_crc(tokens, payload, scales) != e.crc:
-            return "checksum mismatch"
+            self._read_raw(sample_id, check=True)
+        except DamagedSample as e:
+            return e.reason
         return None
 
+    def chunk_damage(self) -> dict[int, str]:
+        """Samples with no copy whose chunk files are all present and whole: the cheap check.
+
+        One 16-byte read per chunk, nothing decoded, so every `dspark extract` resume
+        can afford it. A flipped byte inside a chunk is found only by `damaged()`.
+        """
+        v, ok, out = self._view, {}, {}
+        arrays = {"hidden": 2, "token_ids": 0, **({"scales": 1} if self._fp8 else {})}  # name: trailing chunk dims
+        C = self.manifest.chunk_tokens
+        for sid in sorted(v.first):
+            problem = None
+            for e in v.records(sid):
+                problem = None
+                for c in range(e.start // C, (e.start + e.length - 1) // C + 1):
+                    for name, extra in arrays.items():
+                        path = self.root / "segments" / e.segment / name / "c" / str(c)
+                        for _ in range(extra):
+                            path = path / "0"
+                        if path not in ok:
+                            why = _chunk_problem(path)
+                            ok[path] = why and f"chunk {c} of {name} in segment {e.segment} {why}"
+                        problem = problem or ok[path]
+                if problem is None:
+                    break
+            if problem is not None:
+                out[sid] = problem
+        return out
+
     def fingerprint(self) -> str:
-        """Identity of the content: manifest identity plus every sample's id, length and checksum."""
+        """Identity of the content: manifest identity plus every sample's id, length and checksum.
+
+        An id stored more than once with other bytes (a repair that did not reproduce
+        the original exactly) adds its other checksums: the content is not the same.
+        """
         h = hashlib.sha256(self.manifest.model_dump_json(include=set(IDENTITY_FIELDS)).encode())
-        for sid in self.sample_ids:
-            e = self._index[sid]
-            h.update(struct.pack("<qqI", sid, e.length, e.crc))
+        v = self._view
+        for sid in sorted(v.first):
+            seen = set()
+            for e in v.records(sid):
+                if (e.length, e.crc) not in seen:
+                    seen.add((e.length, e.crc))
+                    h.update(struct.pack("<qqI", sid, e.length, e.crc))
         return h.hexdigest()
 
     def disk_bytes(self) -> int:
@@ -209,13 +344,77 @@ class ZarrStore(Source):
 
     def info(self) -> dict:
         m = self.manifest
-        tokens = sum(e.length for e in self._index.values())
+        tokens = sum(e.length for e in self._view.first.values())
         raw = tokens * bytes_per_token(len(m.captured_layer_ids), m.hidden_size, "raw", m.dtype)
         disk = self.disk_bytes()
         return {"store": str(self.root), "samples": len(self), "tokens": tokens,
                 "segments": len(list((self.root / "segments").glob("*"))) if (self.root / "segments").exists() else 0,
-                "duplicate_records": self.duplicates, "raw_bytes": raw, "disk_bytes": disk,
+                "duplicate_records": self.duplicates, "damaged_index_records": len(self._view.damaged_records),
+                "raw_bytes": raw, "disk_bytes": disk,
                 "ratio": round(raw / disk, 3) if disk else None, "manifest": m.model_dump()}
+
+
+@dataclass
+class StoreCheck:
+    """What `dspark store verify` found; `problems` is empty for a store that holds everything intact."""
+
+    samples: int  # sample ids the store indexes
+    damaged: dict[int, str]  # id -> what is wrong, for samples no copy of which reads back intact
+    damaged_records: list[tuple[str, int, int]]  # (segment, byte offset, valid records after it) not yet repaired
+    repaired_records: int  # damaged index records a `dspark store repair` made good
+    missing: list[int] | None  # prepared ids the store lacks; None: not compared (no prepared data given)
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        if self.damaged:
+            out.append(f"{len(self.damaged)} of {self.samples} samples are damaged (first: {sorted(self.damaged)[:5]})")
+        if self.missing:
+            out.append(f"{len(self.missing)} prepared samples are missing (first: {self.missing[:5]})")
+        if self.damaged_records and self.missing is None:
+            out.append(f"{len(self.damaged_records)} damaged index records: the samples they held may be missing")
+        return out
+
+
+REPAIRS = "repairs"  # <store>/repairs/<stamp>.json: damaged index records a repair made good
+
+
+def note_repair(root: str | Path, records: Iterable[tuple[str, int]], samples: Iterable[int]) -> None:
+    """Record that every sample the damaged `records` held is stored again (written after the repair checked)."""
+    folder = Path(root) / REPAIRS
+    folder.mkdir(exist_ok=True)
+    name = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text(json.dumps({"damaged_index_records": [list(r[:2]) for r in records], "samples": sorted(samples)}))
+    tmp.rename(folder / name)
+
+
+def repaired_records(root: str | Path) -> set[tuple[str, int]]:
+    """(segment, offset) of the damaged index records a repair noted as made good."""
+    root, out = Path(root), set()
+    for p in sorted((root / REPAIRS).glob("*.json")) if (root / REPAIRS).exists() else []:
+        try:
+            out.update((seg, off) for seg, off in json.loads(p.read_text())["damaged_index_records"])
+        except (ValueError, KeyError, TypeError):
+            continue  # an unreadable note covers nothing: verify still reports those records
+    return out
+
+
+def check_store(store: ZarrStore, expected: int | None = None, ids: Iterable[int] | None = None,
+                workers: int = 4, progress: bool = False) -> StoreCheck:
+    """Read every sample (or `ids`) back against its checksum, list damaged index records, and,
+    given the prepared data's sample count, the samples the store lacks."""
+    from tqdm import tqdm
+
+    ids = store.sample_ids if ids is None else [i for i in ids if i in store]
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        reasons = list(tqdm(pool.map(store.damaged, ids), total=len(ids), desc="verify", unit="sample",
+                            disable=not progress))
+    noted = repaired_records(store.root)
+    records = [r for r in store.damaged_records if r[:2] not in noted]
+    missing = None if expected is None else [i for i in range(expected) if i not in store]
+    return StoreCheck(len(store), {i: r for i, r in zip(ids, reasons) if r}, records,
+                      len(store.damaged_records) - len(records), missing)
 
 
 @dataclass
@@ -245,10 +444,11 @@ class ZarrSink(Sink):
 
     name = "zarr"
 
-    def __init__(self, root: str | Path, manifest: StoreManifest, writer_id: str | None = None):
+    def __init__(self, root: str | Path, manifest: StoreManifest, writer_id: str | None = None,
+                 rewrite: Iterable[int] = ()):
         self.root = Path(root)
         self.manifest = manifest.create_or_match(self.root)
-        self._known = set(ZarrStore(self.root).sample_ids)
+        self._known = set(ZarrStore(self.root).sample_ids) - set(rewrite)
         self._writer_id = writer_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._seg: Path | None = None
         self._pos = 0  # tokens handed to this segment
@@ -260,6 +460,15 @@ class ZarrSink(Sink):
 
     def has(self, sample_id: int) -> bool:
         return sample_id in self._known
+
+    def rewrite(self, sample_ids: Iterable[int]) -> None:
+        """Accept these ids again although the store holds them: their stored copies are damaged.
+
+        The new copy goes to this writer's segment; readers take the first copy that
+        reads back valid, so the damaged one is never read again.
+        """
+        with self._lock:
+            self._known.difference_update(sample_ids)
 
     def _open_segment(self) -> None:
         m = self.manifest
@@ -285,7 +494,7 @@ class ZarrSink(Sink):
         self._index_fd = os.open(self._seg / "index.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def write(self, sample: Sample) -> Future:
-        if sample.sample_id in self._known:  # the first record wins anyway: never store it twice
+        if sample.sample_id in self._known:  # readers take the first valid record: never store it twice
             return done()
         m = self.manifest
         want = (len(m.captured_layer_ids), m.hidden_size)
@@ -381,10 +590,11 @@ class ZarrSink(Sink):
 
 
 @register_sink("zarr")
-def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, **_) -> ZarrSink:
+def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, rewrite: Iterable[int] = (),
+                    **_) -> ZarrSink:
     if store is None:
         raise InputError("writing to zarr needs a store folder", "pass --store PATH")
-    return ZarrSink(store, manifest)
+    return ZarrSink(store, manifest, rewrite=rewrite)
 
 
 @register_source("zarr")

@@ -4,19 +4,25 @@ Batches are planned deterministically from the prepared data alone, and a batch
 with any missing sample is recomputed whole: a resumed run therefore feeds the
 model exactly the same padded batches as an uninterrupted one, so the stored
 bytes are identical, not merely close.
+
+A resume also re-extracts stored samples whose chunk files are missing or
+truncated (a cheap check, nothing decoded); `run_repair` (`dspark store repair`)
+reads every sample back and re-extracts exactly the damaged and missing ones. Both
+write the new copies to a fresh segment and leave the old segments as they are.
 """
 
 from __future__ import annotations
 
+import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dspark.connector.base import open_sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import manifest_for_model
 from dspark.connector.mooncake import MooncakeConfig
-from dspark.errors import InputError, StoreError, StoreMismatch
+from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
@@ -73,7 +79,21 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
+def _stored_damage(store: str | None, to: str) -> tuple[dict[int, str], int]:
+    """(stored samples whose chunk files are missing or truncated, damaged index records) of an existing store."""
+    from dspark.connector.zarr_store import ZarrStore, repaired_records
+
+    if not (store and "zarr" in to and (Path(store) / "manifest.json").exists()):
+        return {}, 0
+    existing = ZarrStore(store)
+    return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(store))
+
+
+def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, str] | None = None) -> dict:
+    """Extract every sample the sinks lack, plus `rewrite` (id -> what is wrong with its stored copy).
+
+    `rewrite=None` finds the stored samples whose chunk files are lost or cut short.
+    """
     from tqdm import tqdm
 
     shard_i, shard_n = parse_shard(cfg.shard)
@@ -81,15 +101,24 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
-    sinks = cfg.sinks(data.fingerprint)
     batches = [b for j, b in enumerate(plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)) if j % shard_n == shard_i]
+    found, bad_records = _stored_damage(cfg.store, cfg.to)
+    mine = {i for b in batches for i in b}
+    rewrite = {i: why for i, why in (found if rewrite is None else rewrite).items() if i in mine}
+    if rewrite:
+        print(f"store {cfg.store}: {len(rewrite)} stored samples are damaged (first: sample {min(rewrite)}, "
+              f"{rewrite[min(rewrite)]}); extracting them again", file=sys.stderr)
+    if bad_records:
+        print(f"store {cfg.store}: {bad_records} damaged index records; the samples they held are missing and "
+              f"extracted again", file=sys.stderr)
+    sinks = replace(cfg.sinks(data.fingerprint), rewrite=sorted(rewrite))
     engine = open_engine(cfg.engine, model=cfg.model, target_layer_ids=cfg.target_layer_ids, sinks=sinks,
                          device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                          prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
     manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, cfg.encoding, cfg.chunk_tokens,
                                   cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code)
 
-    sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake)
+    sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake, rewrite=rewrite)
     tokens, t0 = 0, time.perf_counter()
     try:
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
@@ -109,7 +138,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
         finally:
             sink.close()
     elapsed = time.perf_counter() - t0
-    if engine.writes_elsewhere and cfg.store and "zarr" in cfg.to:  # another process wrote: check, never assume
+    if (engine.writes_elsewhere or rewrite) and cfg.store and "zarr" in cfg.to:  # check, never assume
         from dspark.connector.zarr_store import ZarrStore
 
         stored = ZarrStore(cfg.store)
@@ -118,6 +147,46 @@ def run_extract(cfg: ExtractConfig, progress: bool = True) -> dict:
             raise StoreError(f"{len(missing)} of {total} samples were not stored (first: {missing[:5]})",
                              "see the log above for the failed writes, then rerun the same command: it extracts "
                              "only what is missing")
+        still = [i for i in sorted(rewrite) if stored.damaged(i)]
+        if still:
+            raise StoreError(f"{len(still)} damaged samples are still damaged after extracting them again "
+                             f"(first: {still[:5]})", "see the log above for the failed writes, then rerun")
     return {"store": cfg.store, "sinks": cfg.to, "engine": cfg.engine, "extracted": total,
-            "already_present": done_before, "tokens": tokens, "seconds": round(elapsed, 2),
-            "tokens_per_s": round(tokens / max(elapsed, 1e-9))}
+            "already_present": done_before, "repaired": len(rewrite), "tokens": tokens,
+            "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / max(elapsed, 1e-9))}
+
+
+def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tokens: int = 8192,
+               max_batch_size: int = 64, trust_remote_code: bool = False, progress: bool = True) -> dict:
+    """Re-extract exactly the damaged and missing samples of a store into a new segment.
+
+    Reads every sample back (`check_store`), then runs the extraction with the
+    store's own layers, encoding, chunking and dtype, rewriting only those ids; the
+    batches are planned as `dspark extract` plans them, so with the original
+    --batch-tokens/--max-batch-size the new copies are byte-identical on CPU.
+    """
+    from dspark.connector.zarr_store import ZarrStore, check_store, note_repair
+
+    s = ZarrStore(store)
+    prepared = PreparedData(data)
+    if s.manifest.prepared_fingerprint != prepared.fingerprint:
+        raise StoreMismatch(f"store {store} was extracted from other prepared data than {data}",
+                            "pass --data the prepared folder the store was extracted from")
+    found = check_store(s, len(prepared), progress=progress)
+    todo = sorted(set(found.damaged) | set(found.missing))
+    out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),
+           "damaged_index_records": len(found.damaged_records), "re_extracted": todo[:100]}
+    if todo:
+        m = s.manifest
+        cfg = ExtractConfig(model=model, data=data, store=store, target_layer_ids=m.target_layer_ids, device=device,
+                            dtype=m.dtype, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
+                            encoding=m.encoding, chunk_tokens=m.chunk_tokens, verifier_name=m.verifier_name,
+                            trust_remote_code=trust_remote_code)
+        out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
+    after = check_store(ZarrStore(store), len(prepared), ids=todo)
+    if after.damaged or after.missing:
+        raise StoreError(f"store {store} still has problems after the repair: " + "; ".join(after.problems),
+                         f"see the log above, then rerun {repair_command(store, data, model)}")
+    if found.damaged_records:  # every sample is stored again: those records hide nothing any more
+        note_repair(store, found.damaged_records, found.missing)
+    return out

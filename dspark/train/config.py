@@ -10,7 +10,9 @@ from dspark.errors import InputError
 
 # Keys that may change when resuming or replaying without changing the result.
 # The source too: a live run's cache holds exactly the samples it trained on.
-RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live"}
+# So is the damage policy: on an intact store it never acts, and what it skips is named.
+RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
+                  "on_damaged"}
 
 
 @dataclass
@@ -52,6 +54,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     max_steps: int | None = None
+    on_damaged: str = "skip"  # a sample failing its checksum: skip it (named at the end) or raise
     live: dict = field(default_factory=dict)  # LiveConfig fields for --from mooncake
 
     def validate(self) -> TrainConfig:
@@ -69,6 +72,8 @@ class TrainConfig:
         if self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank <= 0:
             raise InputError("--confidence-head-with-markov needs a Markov head, but --markov-rank is 0",
                              "add --no-confidence-head-with-markov, or set --markov-rank > 0")
+        if self.on_damaged not in ("skip", "raise"):
+            raise InputError(f"--on-damaged {self.on_damaged} is not supported", "use skip or raise")
         if self.optimizer not in ("muon", "adamw"):
             raise InputError(f"--optimizer {self.optimizer} is not supported", "use muon or adamw")
         if self.scheduler_type not in ("cosine", "linear", "none"):

@@ -4,10 +4,15 @@ Samples come from a `Source` (the Zarr store, or the tiered Mooncake+cache
 source) and their loss
 masks from the prepared data. Packing and order are a pure function of (seed,
 epoch), so a resumed run sees exactly the batches the uninterrupted one saw.
+
+Every sample read is checked against its checksum (by the source). A damaged one
+is never trained on: `on_damaged="skip"` drops it from its batch, warns once, and
+names every skipped id at the end (`damaged_report`); `"raise"` stops the run.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -17,12 +22,18 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample, Source
-from dspark.errors import InputError, StoreError, StoreMismatch
+from dspark.errors import DamagedSample, InputError, StoreError, StoreMismatch, repair_command
 from dspark.prepare import PreparedData
+
+log = logging.getLogger("dspark.data")
+ON_DAMAGED = ("skip", "raise")
 
 
 class TrainData:
-    def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int):
+    def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int,
+                 on_damaged: str = "skip", verifier: str | None = None):
+        if on_damaged not in ON_DAMAGED:
+            raise InputError(f"--on-damaged {on_damaged!r} is not a policy", f"use one of {', '.join(ON_DAMAGED)}")
         m = source.manifest
         if m.prepared_fingerprint != prepared.fingerprint:
             raise StoreMismatch(f"the store was extracted from other prepared data than {prepared.path}",
@@ -30,8 +41,13 @@ class TrainData:
         if not source.live and len(source.sample_ids) < len(prepared):
             raise StoreError(f"store {source.location} holds {len(source.sample_ids)} of the "
                              f"{len(prepared)} prepared samples",
-                             "finish the extraction first: rerun the same `dspark extract`, it resumes")
+                             "finish the extraction first: rerun the same `dspark extract`, it resumes (or "
+                             f"{repair_command(source.location, str(prepared.path), verifier)})")
         self.source, self.prepared = source, prepared
+        self.on_damaged = on_damaged
+        self.repair = repair_command(source.location, str(prepared.path), verifier)
+        self.damaged: dict[int, str] = {}  # skipped sample id -> what is wrong with it
+        self._damaged_lock = threading.Lock()
         self.total_seq_len, self.seed = total_seq_len, seed
         self.num_targets = len(m.target_layer_ids)
         ids = np.arange(len(prepared), dtype=np.int64)
@@ -42,6 +58,30 @@ class TrainData:
             if not split:
                 raise InputError(f"the {name} split is empty ({len(ids)} samples, --train-data-ratio {train_ratio})",
                                  "use more data or a --train-data-ratio that leaves samples on both sides")
+
+    def read(self, sample_id: int) -> Sample | None:
+        """The sample, or None when it cannot be had (live) or is damaged and skipped."""
+        try:
+            return self.source.read(sample_id)
+        except DamagedSample as e:
+            if self.on_damaged == "raise":
+                raise StoreError(f"{e.what}; --on-damaged raise stops here",
+                                 f"re-extract it: {self.repair}, or train around it with --on-damaged skip") from None
+            with self._damaged_lock:
+                first = not self.damaged
+                self.damaged.setdefault(sample_id, e.reason)
+            if first:
+                log.warning("%s: skipped (--on-damaged skip); every skipped sample is named at the end", e.what)
+            return None
+
+    def damaged_report(self) -> str | None:
+        """One line naming every damaged sample skipped so far, with the repair command; None if none."""
+        if not self.damaged:
+            return None
+        ids = sorted(self.damaged)
+        shown = ", ".join(map(str, ids[:20])) + (", ..." if len(ids) > 20 else "")
+        return (f"{len(ids)} damaged sample{'s' * (len(ids) != 1)} skipped (ids {shown}) in "
+                f"{self.source.location}; repair with {self.repair}")
 
     def pack(self, ids: list[int]) -> list[list[int]]:
         """Greedy sequential packing into bins of total_seq_len tokens."""
@@ -100,12 +140,16 @@ class TrainData:
 class Loader:
     """Iterates collated batches, reading `prefetch` batches ahead on background threads.
 
+    A batch left empty (every sample skipped) is dropped, or yielded as None with
+    `keep_empty` (the training loop counts it to keep its data position exact).
     `wait_seconds` counts the time the training loop spent blocked on data.
     """
 
-    def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4):
+    def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4,
+                 keep_empty: bool = False):
         self.data, self.batches = data, batches
         self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
+        self.keep_empty = keep_empty
         self.wait_seconds = 0.0
 
     def __len__(self) -> int:
@@ -119,9 +163,11 @@ class Loader:
             try:
                 with ThreadPoolExecutor(self.num_workers) as pool:
                     for b in self.batches:
-                        item = self.data.collate(list(pool.map(self.data.source.read, b)))
+                        item = self.data.collate(list(pool.map(self.data.read, b)))
                         if item is None:
-                            continue
+                            if not self.keep_empty:
+                                continue
+                            item = _EMPTY
                         while not stop.is_set():
                             try:
                                 q.put(item, timeout=0.1)
@@ -146,7 +192,10 @@ class Loader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield item
+                yield None if item is _EMPTY else item
         finally:
             stop.set()
             t.join()  # no reads (or live write-throughs) may outlive the loop that asked for them
+
+
+_EMPTY = object()  # a batch whose samples were all skipped (None on the queue means "done")

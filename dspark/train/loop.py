@@ -25,7 +25,7 @@ import torch
 
 from dspark.connector.base import SOURCES, Source
 from dspark.connector.manifest import manifest_for_model
-from dspark.errors import InputError, StoreMismatch
+from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
 from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
@@ -128,7 +128,8 @@ class Trainer:
         self.prepared = PreparedData(cfg.data_path)
         self.source = open_source(cfg, self.prepared)
         check_store(self.source, cfg)
-        self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed)
+        self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,
+                              cfg.on_damaged, cfg.verifier_name_or_path)
         self.model = build_model(cfg, self.prepared, self.device)
         self.loss_kw = loss_kwargs(self.model, cfg, self.device)
         self.epoch_plan = [self._my_batches(self.data.epoch_batches(e)) for e in range(cfg.epochs)]
@@ -255,16 +256,23 @@ class Trainer:
         while st["epoch"] < cfg.epochs and st["step"] < stop_at:
             batches = self.epoch_plan[st["epoch"]]
             every = max(1, round(cfg.checkpoint_freq * len(batches)))
-            loader = Loader(self.data, batches[st["batch"]:], cfg.num_workers, cfg.prefetch_factor)
+            # keep_empty: a batch whose samples were all skipped still moves the data position
+            loader = Loader(self.data, batches[st["batch"]:], cfg.num_workers, cfg.prefetch_factor, keep_empty=True)
             compute = 0.0
             for batch in loader:
-                start = time.perf_counter()
-                accumulate(window, self.step(batch))
-                compute += time.perf_counter() - start
-                st["step"] += 1
+                stepped = batch is not None
+                if not stepped and self.dist.world > 1:  # the other ranks would wait in backward forever
+                    raise StoreError(f"rank {self.dist.rank} got a batch with no sample left (damaged or "
+                                     "unavailable); with several processes it cannot be skipped",
+                                     f"repair the store ({self.data.repair}), or bring the live source back")
+                if stepped:
+                    start = time.perf_counter()
+                    accumulate(window, self.step(batch))
+                    compute += time.perf_counter() - start
+                    st["step"] += 1
+                    bar.update()
                 st["batch"] += 1
-                bar.update()
-                if st["step"] % cfg.log_freq == 0:
+                if stepped and st["step"] % cfg.log_freq == 0:
                     metrics = reduce(all_reduce(window, self.device))
                     metrics["lr"] = self.scheds[0].get_last_lr()[0]
                     wait = loader.wait_seconds
@@ -273,6 +281,8 @@ class Trainer:
                                   "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}}
                         if self.source.stats:
                             record["live"] = self.source.stats
+                        if self.data.damaged:
+                            record["damaged_skipped"] = len(self.data.damaged)
                         self.log.write(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
                     window = {}
@@ -288,6 +298,10 @@ class Trainer:
         self.source.close()
         if self.dist.world > 1:
             torch.distributed.destroy_process_group()
+        report = self.data.damaged_report()
+        if report:
+            print(f"warning: {report}", file=sys.stderr)
         return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
                 "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest")),
-                **({"live": self.source.stats} if self.source.stats else {})}
+                **({"live": self.source.stats} if self.source.stats else {}),
+                **({"damaged_skipped": sorted(self.data.damaged)} if self.data.damaged else {})}
