@@ -100,14 +100,29 @@ def toy_verifier(output, steps, seed):
 @click.option("--seq-length", type=int, default=2048, show_default=True)
 @click.option("--num-preprocessing-workers", type=int, default=1, show_default=True)
 @click.option("--minimum-valid-tokens", type=int, default=1, show_default=True)
+@click.option("--role-map", default=None, metavar="NAME=ROLE,...",
+              help="Extra role names, e.g. 'bing=assistant,foo=user' (or JSON). Built in: human/prompter=user; "
+                   "gpt/chatgpt/bing/bard/model/bot/ai=assistant. Conversations with other roles are dropped.")
+@click.option("--strict", is_flag=True, help="Fail on the first conversation that would be dropped, naming its line.")
+@click.option("--skip-invalid-lines", is_flag=True,
+              help="Skip and count malformed-JSON and non-UTF-8 lines instead of failing on the first.")
 def prepare(**kw):
-    """Tokenize chat data with the model's template; mask all but assistant tokens."""
+    """Tokenize chat data with the model's template; mask all but assistant tokens.
+
+    Conversations that cannot be trained on (empty, system-only, no assistant turn, an unknown
+    role, too few supervised tokens) are dropped and counted by reason in the summary.
+    """
     from dspark.prepare import PrepareConfig
     from dspark.prepare import prepare as run
 
     summary = run(PrepareConfig(**kw))
     status = "up to date, nothing to do" if summary.pop("up_to_date") else "written"
     click.echo(f"prepare {kw['output']}: {status}")
+    if summary.get("dropped") or summary.get("invalid_lines"):
+        reasons = ", ".join(f"{r} {n}" for r, n in summary.get("dropped_by_reason", {}).items())
+        skipped = f"; skipped {summary['invalid_lines']} invalid lines" if summary.get("invalid_lines") else ""
+        click.secho(f"kept {summary['kept']} of {summary['conversations']} conversations; dropped "
+                    f"{summary['dropped']}{f' ({reasons})' if reasons else ''}{skipped}", fg="yellow", err=True)
     _echo_json(summary)
 
 

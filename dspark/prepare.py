@@ -16,13 +16,15 @@ Output folder (written to a temp folder, then renamed: never half-written):
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from multiprocessing import get_context
 from pathlib import Path
@@ -32,9 +34,18 @@ import numpy as np
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
 
-ROLES = {"system": "system", "user": "user", "assistant": "assistant",
-         "human": "user", "gpt": "assistant", "tool": "tool"}
+# Role names public dumps use -> the chat template's roles. Matched case-insensitively;
+# `--role-map` adds to or overrides this table. A conversation with a role found in
+# neither is dropped (counted as `unknown_role:<name>`), never guessed.
+ROLES = {
+    "system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+    "human": "user", "prompter": "user",                        # ShareGPT, OpenAssistant
+    "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",  # ShareGPT
+    "model": "assistant", "bot": "assistant", "ai": "assistant",  # Gemini-style and bot dumps
+}
+TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
 PREPARE_FORMAT = 1
+PREPARED_FILES = ("prepare.json", "input_ids.npy", "loss_mask.npy", "offsets.npy", "token_freq.pt")
 
 
 @dataclass(frozen=True)
@@ -46,6 +57,9 @@ class PrepareConfig:
     num_preprocessing_workers: int = 1
     minimum_valid_tokens: int = 1
     trust_remote_code: bool = False
+    role_map: str | dict | None = None  # extra role names: "bing=assistant,foo=user", JSON, or a dict
+    strict: bool = False                # a conversation that would be dropped is an error instead
+    skip_invalid_lines: bool = False    # count and skip malformed-JSON / non-UTF-8 lines instead of failing
 
 
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
@@ -67,50 +81,221 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     return tok
 
 
-def read_conversations(path: Path) -> list[list[dict]]:
-    """Parse and validate every line; errors name the file and line."""
-    if not path.is_file():
-        raise InputError(f"data file {path} does not exist", "pass --data a chat JSONL file")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
+def parse_role_map(spec: str | dict | None) -> dict[str, str]:
+    """`--role-map`: "bing=assistant,foo=user" or a JSON object; names are matched case-insensitively."""
+    fix = 'write it as "bing=assistant,foo=user" or as JSON {"bing": "assistant"}'
+    if not spec:
+        return {}
+    if isinstance(spec, str):
+        if spec.lstrip().startswith("{"):
             try:
-                record = json.loads(line)
+                spec = json.loads(spec)
             except json.JSONDecodeError as e:
-                raise InputError(f"{where}: malformed JSON ({e.msg} at column {e.colno})",
-                                 "fix or delete that line") from None
-            out.append(_normalize(record, where))
-    if not out:
-        raise InputError(f"data file {path} holds no conversations", "pass a non-empty chat JSONL file")
+                raise InputError(f"--role-map is not valid JSON ({e.msg})", fix) from None
+        else:
+            pairs = [p.split("=", 1) for p in spec.split(",") if p.strip()]
+            if any(len(p) != 2 for p in pairs):
+                raise InputError(f"--role-map {spec!r} is not a list of name=role pairs", fix)
+            spec = dict(pairs)
+    if not isinstance(spec, dict):
+        raise InputError("--role-map must map role names to roles", fix)
+    out = {}
+    for name, role in spec.items():
+        target = str(role).strip().lower()
+        if target not in TEMPLATE_ROLES:
+            raise InputError(f"--role-map maps {name!r} to {role!r}, not a chat-template role",
+                             f"map every name to one of {', '.join(TEMPLATE_ROLES)}")
+        out[str(name).strip().lower()] = target
     return out
 
 
-def _normalize(record, where: str) -> list[dict]:
+@dataclass
+class ChatData:
+    """What `read_conversations` kept, and what it dropped or skipped, by reason."""
+
+    conversations: list[list[dict]]
+    where: list[str]  # "path:line" of each kept conversation
+    records: int = 0  # conversations read: kept + dropped
+    invalid_lines: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    first_drop: dict = field(default_factory=dict)  # reason -> "path:line: what" of its first case
+    mapped_roles: Counter = field(default_factory=Counter)
+    repaired: Counter = field(default_factory=Counter)
+
+
+class _Drop(Exception):
+    def __init__(self, reason: str, detail: str):
+        self.reason, self.detail = reason, detail
+
+
+class _Invalid(Exception):
+    def __init__(self, detail: str, fix: str):
+        self.detail, self.fix = detail, fix
+
+
+_SKIP_FIX = "or pass --skip-invalid-lines to skip and count such lines"
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def read_conversations(path: Path, role_map: str | dict | None = None, strict: bool = False,
+                       skip_invalid_lines: bool = False) -> ChatData:
+    """Parse chat JSONL (or one JSON array of records) as real dumps come.
+
+    Conversations that cannot be trained on (empty, system-only, no assistant turn, a role
+    neither `ROLES` nor `role_map` knows) are dropped and counted by reason; with `strict` the
+    first one is an error naming its line. Lines that are not UTF-8 or not JSON fail, naming
+    the line, unless `skip_invalid_lines` counts and skips them.
+    """
+    if not path.is_file():
+        raise InputError(f"data file {path} does not exist", "pass --data a chat JSONL file")
+    roles = {**ROLES, **parse_role_map(role_map)}
+    data = ChatData([], [])
+
+    def invalid(where: str, detail: str, fix: str) -> None:
+        if not skip_invalid_lines:
+            raise InputError(f"{where}: {detail}", f"{fix}, {_SKIP_FIX}")
+        data.invalid_lines += 1
+
+    def accept(record, where: str) -> None:
+        try:
+            messages = _normalize(record, roles, data)
+        except _Invalid as e:
+            return invalid(where, e.detail, e.fix)
+        except _Drop as e:
+            data.records += 1
+            return record_drop(data.dropped, data.first_drop, e.reason, f"{where}: {e.detail}", strict)
+        data.records += 1
+        data.conversations.append(messages)
+        data.where.append(where)
+
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+            raise InputError(f"{path} is UTF-16 text, not UTF-8",
+                             f"convert it: iconv -f UTF-16 -t UTF-8 {path} > chat.utf8.jsonl")
+        f.seek(0)
+        if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+            for where, record in _json_array(path, f.read()):
+                accept(record, where)
+        else:
+            for lineno, raw in enumerate(f, 1):
+                if lineno == 1:
+                    raw = raw.removeprefix(codecs.BOM_UTF8)
+                if not raw.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    invalid(where, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
+                            "re-encode the file as UTF-8 or delete that line")
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    invalid(where, f"malformed JSON ({e.msg} at column {e.colno})", "fix or delete that line")
+                    continue
+                accept(record, where)
+    if not data.records:
+        skipped = f" ({data.invalid_lines} invalid lines skipped)" if data.invalid_lines else ""
+        raise InputError(f"data file {path} holds no conversations{skipped}", "pass a non-empty chat JSONL file")
+    return data
+
+
+def _json_array(path: Path, raw: bytes):
+    """The records of a file holding one JSON array (how some public dumps ship), with their places."""
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise InputError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})",
+                         "re-encode the file as UTF-8 (a JSON array cannot skip lines)") from None
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})",
+                         "fix the file (a JSON array cannot skip lines), or convert it to JSONL") from None
+    if not isinstance(records, list):
+        raise InputError(f"{path} is not JSON lines nor a JSON array of conversations",
+                         'write {"messages": [...]} per line')
+    return ((f"{path} record {i}", r) for i, r in enumerate(records, 1))
+
+
+def record_drop(dropped: Counter, first: dict, reason: str, what: str, strict: bool) -> None:
+    """Count a dropped conversation, or (strict) fail on it."""
+    if strict:
+        raise InputError(f"{what} [{reason}]", f"{_drop_fix(reason, strict)}, or run without --strict "
+                                               "to drop and count such conversations")
+    dropped[reason] += 1
+    first.setdefault(reason, what)
+
+
+def _drop_fix(reason: str, strict: bool = False) -> str:
+    if reason.startswith("unknown_role:"):
+        return f"map the role with --role-map '{reason.split(':', 1)[1]}=assistant' (or =user, =system)"
+    if reason == "below_minimum_valid_tokens":
+        return "lower --minimum-valid-tokens or raise --seq-length"
+    if reason == "chat_template_error":
+        return "fix that conversation, or use a model whose chat template accepts it"
+    return "fix or delete that line" if strict else "pass conversations with a user and an assistant turn"
+
+
+def _normalize(record, roles: dict, data: ChatData) -> list[dict]:
     if not isinstance(record, dict):
-        raise InputError(f"{where}: expected a JSON object", 'write {"messages": [...]} per line')
+        raise _Invalid("expected a JSON object", 'write {"messages": [...]} per line')
     if "messages" in record:
-        turns, role_key, text_key = record["messages"], "role", "content"
+        turns, field_name = record["messages"], "messages"
     elif "conversations" in record:
-        turns, role_key, text_key = record["conversations"], "from", "value"
+        turns, field_name = record["conversations"], "conversations"
     else:
-        raise InputError(f"{where}: no 'messages' (or ShareGPT 'conversations') field",
-                         'write {"messages": [{"role": ..., "content": ...}]} per line')
-    if not isinstance(turns, list) or not turns:
-        raise InputError(f"{where}: empty conversation", "drop that line or give it at least one turn")
+        raise _Invalid("no 'messages' (or ShareGPT 'conversations') field",
+                       'write {"messages": [{"role": ..., "content": ...}]} per line')
+    if turns is None or turns == []:
+        raise _Drop("empty", "empty conversation (no turns)")
+    if not isinstance(turns, list):
+        raise _Invalid(f"'{field_name}' is not a list of turns", f"make '{field_name}' a list of turns")
     messages = []
     for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise InputError(f"{where}: turn {i} lacks '{role_key}' or '{text_key}'",
-                             f"give every turn both '{role_key}' and '{text_key}'")
-        role = ROLES.get(str(turn[role_key]).lower())
+        name = turn.get("role", turn.get("from")) if isinstance(turn, dict) else None
+        if name is None:
+            raise _Drop("malformed_turn", f"turn {i} is not an object with a 'role' (or 'from')")
+        key = str(name).strip().lower()
+        role = roles.get(key)
         if role is None:
-            raise InputError(f"{where}: turn {i} has unknown role {turn[role_key]!r}",
-                             f"use one of {sorted(ROLES)}")
-        messages.append({"role": role, "content": str(turn[text_key])})
+            raise _Drop(f"unknown_role:{key[:40]}", f"turn {i} has unknown role {name!r}")
+        if key != role:
+            data.mapped_roles[f"{key}->{role}"] += 1
+        messages.append({"role": role, "content": _text(turn["content"] if "content" in turn else turn.get("value"),
+                                                        data.repaired)})
+    present = {m["role"] for m in messages}
+    if not any(m["content"].strip() for m in messages):
+        raise _Drop("empty", "empty conversation (every turn is blank)")
+    if present == {"system"}:
+        raise _Drop("system_only", "the conversation has only system turns")
+    if "assistant" not in present:
+        raise _Drop("no_assistant_turn", "the conversation has no assistant turn")
     return messages
+
+
+def _text(content, repaired: Counter) -> str:
+    """A turn's text: strings as they are, OpenAI content parts joined (non-text parts dropped)."""
+    if content is None:
+        repaired["null_content"] += 1
+        return ""
+    if isinstance(content, dict):
+        content = [content]
+    if isinstance(content, list):
+        texts = [p if isinstance(p, str) else p.get("text") for p in content
+                 if isinstance(p, str) or (isinstance(p, dict) and p.get("type", "text") == "text")]
+        dropped = len(content) - sum(isinstance(t, str) for t in texts)
+        if dropped:
+            repaired["non_text_parts_dropped"] += dropped
+        content = "\n".join(t for t in texts if isinstance(t, str))
+    text = content if isinstance(content, str) else str(content)
+    if _SURROGATES.search(text):  # "\ud83d" escapes of a split emoji: the tokenizer refuses them
+        repaired["lone_surrogates"] += 1
+        text = _SURROGATES.sub("\ufffd", text)
+    return text
 
 
 def tokenize_conversation(tokenizer, messages: list[dict], seq_length: int) -> tuple[list[int], list[int]]:
@@ -142,9 +327,19 @@ def _init_worker(model: str, trust_remote_code: bool):
     _worker_tok = load_tokenizer(model, trust_remote_code)
 
 
+def _tokenize_or_error(tokenizer, messages: list[dict], seq_length: int):
+    """(ids, mask, None), or (None, None, why) when the chat template refuses this conversation."""
+    from jinja2 import TemplateError
+
+    try:
+        return (*tokenize_conversation(tokenizer, messages, seq_length), None)
+    except TemplateError as e:  # e.g. "Conversation roles must alternate user/assistant/..."
+        return None, None, " ".join(str(e).split())[:200] or type(e).__name__
+
+
 def _work(args):
     messages, seq_length = args
-    return tokenize_conversation(_worker_tok, messages, seq_length)
+    return _tokenize_or_error(_worker_tok, messages, seq_length)
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
@@ -154,14 +349,24 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     out = Path(cfg.output)
     model = Path(cfg.model)
     tok = load_tokenizer(model, cfg.trust_remote_code)
-    convs = read_conversations(Path(cfg.data))
-    inputs_key = sha256_json({"format": PREPARE_FORMAT, "data": sha256_files([Path(cfg.data)]),
-                              "tokenizer": tokenizer_hash(model), "seq_length": cfg.seq_length,
-                              "minimum_valid_tokens": cfg.minimum_valid_tokens})
+    data = read_conversations(Path(cfg.data), cfg.role_map, cfg.strict, cfg.skip_invalid_lines)
+    convs = data.conversations
+    if not convs:
+        _all_dropped(cfg, data)
+    key = {"format": PREPARE_FORMAT, "data": sha256_files([Path(cfg.data)]),
+           "tokenizer": tokenizer_hash(model), "seq_length": cfg.seq_length,
+           "minimum_valid_tokens": cfg.minimum_valid_tokens}
+    if role_map := parse_role_map(cfg.role_map):  # only when given: keys of earlier runs stay valid
+        key["role_map"] = role_map
+    inputs_key = sha256_json(key)
     meta_path = out / "prepare.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("inputs_key") == inputs_key:
+    if meta_path.exists() and all((out / f).is_file() for f in PREPARED_FILES):
+        try:
+            meta = json.loads(meta_path.read_text())
+        except (OSError, ValueError):
+            meta = {}  # unreadable: prepare again
+        if (isinstance(meta, dict) and meta.get("inputs_key") == inputs_key and "stats" in meta
+                and not (cfg.strict and meta["stats"].get("dropped"))):  # --strict: fail on those drops
             return {**meta["stats"], "up_to_date": True}
     _check_writable(out)
 
@@ -171,7 +376,7 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     if workers == 1:
         results = []
         for m, s in jobs:
-            results.append(tokenize_conversation(tok, m, s))
+            results.append(_tokenize_or_error(tok, m, s))
             bar.update()
     else:
         with get_context("spawn").Pool(workers, _init_worker, (str(model), cfg.trust_remote_code)) as pool:
@@ -181,30 +386,33 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
                 bar.update()
     bar.close()
 
-    kept_ids, kept_mask, dropped = [], [], Counter()
+    kept_ids, kept_mask = [], []
     freq: Counter = Counter()
-    for (ids, mask), messages in zip(results, convs):
-        valid = sum(mask)
-        if not any(m["role"] == "assistant" for m in messages):
-            dropped["no_assistant_turn"] += 1
-        elif valid < cfg.minimum_valid_tokens:
-            dropped["below_minimum_valid_tokens"] += 1
+    for (ids, mask, error), where in zip(results, data.where):
+        if error is not None:
+            reason, what = "chat_template_error", f"the chat template refused it: {error}"
+        elif (valid := sum(mask)) < cfg.minimum_valid_tokens:
+            reason, what = "below_minimum_valid_tokens", (
+                f"{valid} supervised tokens within --seq-length {cfg.seq_length}, "
+                f"fewer than --minimum-valid-tokens {cfg.minimum_valid_tokens}")
         else:
             kept_ids.append(ids)
             kept_mask.append(mask)
             freq.update(t for t, m in zip(ids, mask) if m)
+            continue
+        record_drop(data.dropped, data.first_drop, reason, f"{where}: {what}", cfg.strict)
     if not kept_ids:
-        raise InputError(f"every conversation in {cfg.data} was dropped ({dict(dropped)})",
-                         "lower --minimum-valid-tokens or raise --seq-length")
+        _all_dropped(cfg, data)
 
     input_ids = np.fromiter((t for s in kept_ids for t in s), dtype=np.int32)
     loss_mask = np.fromiter((m for s in kept_mask for m in s), dtype=np.uint8)
     offsets = np.zeros(len(kept_ids) + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(s) for s in kept_ids])
-    stats = {"conversations": len(convs), "kept": len(kept_ids), "dropped": sum(dropped.values()),
-             "dropped_by_reason": dict(dropped), "tokens": int(len(input_ids)),
-             "supervised_tokens": int(loss_mask.sum()),
-             "truncated": sum(1 for ids, _ in results if len(ids) == cfg.seq_length)}
+    stats = {"conversations": data.records, "kept": len(kept_ids), "dropped": sum(data.dropped.values()),
+             "dropped_by_reason": dict(data.dropped.most_common()), "invalid_lines": data.invalid_lines,
+             "tokens": int(len(input_ids)), "supervised_tokens": int(loss_mask.sum()),
+             "truncated": sum(1 for ids, _, _ in results if ids is not None and len(ids) == cfg.seq_length),
+             "mapped_roles": dict(sorted(data.mapped_roles.items())), "repaired": dict(sorted(data.repaired.items()))}
     fingerprint = hashlib.sha256(input_ids.tobytes() + loss_mask.tobytes() + offsets.tobytes()).hexdigest()
     meta = {"format": PREPARE_FORMAT, "config": asdict(cfg), "inputs_key": inputs_key,
             "tokenizer_hash": tokenizer_hash(model), "fingerprint": fingerprint,
@@ -212,6 +420,14 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     _write_atomically(out, {"input_ids.npy": input_ids, "loss_mask.npy": loss_mask, "offsets.npy": offsets},
                       dict(freq), meta)
     return {**stats, "up_to_date": False}
+
+
+def _all_dropped(cfg: PrepareConfig, data: ChatData):
+    top = data.dropped.most_common()
+    counts = ", ".join(f"{reason}: {n}" for reason, n in top[:3]) + (", ..." if len(top) > 3 else "")
+    skipped = f"; {data.invalid_lines} invalid lines skipped" if data.invalid_lines else ""
+    raise InputError(f"every conversation in {cfg.data} was dropped ({counts}{skipped}); "
+                     f"first {top[0][0]}: {data.first_drop[top[0][0]]}", _drop_fix(top[0][0]))
 
 
 def _check_writable(out: Path) -> None:
@@ -252,18 +468,36 @@ class PreparedData:
         if not meta_path.exists():
             raise InputError(f"{self.path} is not a prepared data folder (no prepare.json)",
                              "run `dspark prepare --output` on your chat data first")
-        self.meta = json.loads(meta_path.read_text())
-        self.fingerprint: str = self.meta["fingerprint"]
-        self.tokenizer_hash: str = self.meta["tokenizer_hash"]
-        self.offsets = np.load(self.path / "offsets.npy")
+        missing = [f for f in PREPARED_FILES if not (self.path / f).is_file()]
+        if missing:
+            raise InputError(f"prepared folder {self.path} lacks {', '.join(missing)}", self._rerun)
+        try:
+            self.meta = json.loads(meta_path.read_text())
+            self.fingerprint: str = self.meta["fingerprint"]
+            self.tokenizer_hash: str = self.meta["tokenizer_hash"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise InputError(f"{meta_path} is unreadable or incomplete ({type(e).__name__}: {e})",
+                             self._rerun) from None
+        self.offsets = self._load("offsets.npy")
+
+    @property
+    def _rerun(self) -> str:
+        return f"delete {self.path} and rerun `dspark prepare --output {self.path}` on its chat data"
+
+    def _load(self, name: str, mmap_mode=None) -> np.ndarray:
+        try:
+            return np.load(self.path / name, mmap_mode=mmap_mode)
+        except (OSError, ValueError, EOFError) as e:
+            raise InputError(f"{self.path / name} is unreadable ({' '.join(str(e).split())[:200]})",
+                             self._rerun) from None
 
     @cached_property
     def input_ids(self) -> np.ndarray:
-        return np.load(self.path / "input_ids.npy", mmap_mode="r")
+        return self._load("input_ids.npy", mmap_mode="r")
 
     @cached_property
     def loss_mask(self) -> np.ndarray:
-        return np.load(self.path / "loss_mask.npy", mmap_mode="r")
+        return self._load("loss_mask.npy", mmap_mode="r")
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from conftest import write_jsonl
+from conftest import run_cli, write_jsonl
 from dspark.cli import main
 from dspark.errors import InputError
-from dspark.prepare import PrepareConfig, PreparedData, load_tokenizer, prepare, tokenize_conversation
+from dspark.prepare import (PrepareConfig, PreparedData, load_tokenizer, parse_role_map, prepare, read_conversations,
+                             tokenize_conversation)
 
 CONV = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What is 2 plus 2?"},
@@ -116,3 +117,152 @@ def test_toy_pretraining_text_is_what_the_chat_template_renders(verifier):
     tok = load_tokenizer(verifier)
     by_hand = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONV)
     assert tok.apply_chat_template(CONV, tokenize=False) == by_hand
+
+
+# Real public dumps as they come: one line per problem they are known to hold.
+QA = [{"role": "user", "content": "What is 2 plus 2?"}, {"role": "assistant", "content": "2 plus 2 is 4."}]
+
+
+def _share(assistant: str, user: str = "human") -> str:
+    return json.dumps({"conversations": [{"from": user, "value": QA[0]["content"]},
+                                         {"from": assistant, "value": QA[1]["content"]}]})
+
+
+MESSY = [
+    json.dumps({"messages": QA}),                                                              # 1 kept
+    json.dumps({"id": "x", "conversations": []}),                                              # 2 empty
+    json.dumps({"conversations": [{"from": "system", "value": "Be brief."}]}),                 # 3 system-only
+    json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "wizard", "value": "ho"}]}),  # 4
+    _share("bing"), _share("chatgpt"), _share("bard"),                                         # 5-7 kept
+    json.dumps({"messages": [{"role": "user", "content": "anyone?"}]}),                        # 8 no answer
+    '{"conversations": [{"from": "human", "value": "hi"}, oops',                               # 9 bad JSON
+    '{"messages": [{"role": "user", "content": "caf\udce9"}]}',                                # 10 latin-1 byte
+    json.dumps({"messages": [{"role": "user", "content": "Say la."},                           # 11 huge, kept
+                             {"role": "assistant", "content": "la " * 50_000}]}),
+    json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": QA[0]["content"]},  # 12 kept
+                                                          {"type": "image_url", "image_url": {"url": "x"}}]},
+                             {"role": "assistant", "content": QA[1]["content"]}]}),
+    _share("gpt", user="foo"),                                                                 # 13 --role-map
+    json.dumps({"messages": [{"role": "user", "content": "cut \ud83d emoji"}, QA[1]]}),         # 14 kept
+    json.dumps({"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": None}]}),  # 15
+    "",
+]
+
+
+@pytest.fixture
+def messy(tmp_path):
+    path = tmp_path / "messy.jsonl"
+    path.write_bytes("\n".join(MESSY).encode("utf-8", "surrogateescape") + b"\n")  # line 10: a raw 0xe9
+    return path
+
+
+def _one_error_line(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def test_a_messy_dump_is_prepared_with_drops_counted_by_reason(verifier, messy, tmp_path):
+    out = tmp_path / "out"
+    proc = run_cli("prepare", "--model", verifier, "--data", messy, "--output", out, "--seq-length", 128,
+                   "--skip-invalid-lines", "--role-map", "foo=user")
+    s = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert s["dropped_by_reason"] == {"empty": 2, "system_only": 1, "unknown_role:wizard": 1, "no_assistant_turn": 1}
+    assert (s["conversations"], s["kept"], s["dropped"], s["invalid_lines"], s["truncated"]) == (13, 8, 5, 2, 1)
+    assert s["mapped_roles"]["bing->assistant"] == 1 and s["mapped_roles"]["foo->user"] == 1
+    assert s["repaired"] == {"lone_surrogates": 1, "non_text_parts_dropped": 1, "null_content": 1}
+    assert "kept 8 of 13 conversations; dropped 5 (empty 2," in proc.stderr
+    d = PreparedData(out)
+    assert len(d) == 8 and d.length(4) == 128
+    # bing, chatgpt and bard answers are supervised as the assistant's; the image part is left out
+    for i in (1, 2, 3, 5):
+        assert d.sample(i)[0].tolist() == d.sample(0)[0].tolist()
+        assert d.sample(i)[1].tolist() == d.sample(0)[1].tolist()
+
+    # Without the role map, the unknown role is one more drop; nothing is fatal.
+    s = prepare(PrepareConfig(str(verifier), str(messy), str(tmp_path / "plain"), seq_length=128,
+                              skip_invalid_lines=True), progress=False)
+    assert s["kept"] == 7 and s["dropped_by_reason"]["unknown_role:foo"] == 1
+
+
+def test_invalid_lines_and_strict_name_the_line(verifier, messy, tmp_path):
+    base = ("prepare", "--model", verifier, "--data", messy, "--output", tmp_path / "out")
+    line = _one_error_line(run_cli(*base, check=False))
+    assert f"{messy}:9: malformed JSON" in line and "--skip-invalid-lines" in line
+    line = _one_error_line(run_cli(*base, "--skip-invalid-lines", "--strict", check=False))
+    assert f"{messy}:2: empty conversation" in line and "[empty]" in line
+    messy.write_bytes(b"\n".join(messy.read_bytes().splitlines()[9:]))  # the non-UTF-8 line comes first
+    line = _one_error_line(run_cli(*base, check=False))
+    assert f"{messy}:1: not UTF-8 (byte 0xe9" in line
+    messy.write_bytes("\n".join(MESSY[:8]).encode())
+    line = _one_error_line(run_cli(*base, "--strict", check=False))
+    assert f"{messy}:2: empty conversation" in line
+    assert not (tmp_path / "out").exists()
+    # Everything dropped: the top reasons and the first case, in one line.
+    messy.write_text("\n".join(MESSY[1:4]) + "\n")
+    line = _one_error_line(run_cli(*base, check=False))
+    assert "every conversation" in line and "empty: 1, system_only: 1, unknown_role:wizard: 1" in line
+    assert f"first empty: {messy}:1: empty conversation" in line
+
+
+def test_role_map_parsing_and_a_json_array_dump(verifier, tmp_path):
+    assert parse_role_map("Bing=assistant, foo = user") == {"bing": "assistant", "foo": "user"}
+    assert parse_role_map('{"foo": "User"}') == {"foo": "user"}
+    with pytest.raises(InputError, match="not a chat-template role"):
+        parse_role_map("foo=robot")
+    with pytest.raises(InputError, match="name=role pairs"):
+        parse_role_map("foo")
+    # Some dumps ship as one JSON array (ShareGPT's own files): the same samples as the JSONL.
+    records = [json.loads(_share("gpt")), json.loads(_share("bing")), {"conversations": []}]
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    write_jsonl(tmp_path / "b.jsonl", records)
+    for src in ("a.json", "b.jsonl"):
+        s = prepare(PrepareConfig(str(verifier), str(tmp_path / src), str(tmp_path / src.split(".")[0]),
+                                  seq_length=64), progress=False)
+        assert s["kept"] == 2 and s["dropped_by_reason"] == {"empty": 1}
+    assert PreparedData(tmp_path / "a").fingerprint == PreparedData(tmp_path / "b").fingerprint
+    (tmp_path / "u16.jsonl").write_bytes(_share("gpt").encode("utf-16"))
+    with pytest.raises(InputError, match="UTF-16 text"):
+        read_conversations(tmp_path / "u16.jsonl")
+
+
+def test_a_template_that_refuses_a_conversation_drops_it(verifier, tmp_path):
+    strict = tmp_path / "alternating"
+    strict.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja"):
+        (strict / f).write_bytes((verifier / f).read_bytes())
+    template = (verifier / "chat_template.jinja").read_text()
+    (strict / "chat_template.jinja").write_text(template.replace(
+        "{% for message in messages %}",
+        "{% for message in messages %}{% if loop.index0 and message['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}", 1))
+    twice = [QA[0], QA[0], QA[1]]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": QA}, {"messages": twice}])
+    s = prepare(PrepareConfig(str(strict), str(src), str(tmp_path / "p")), progress=False)
+    assert s["kept"] == 1 and s["dropped_by_reason"] == {"chat_template_error": 1}
+    with pytest.raises(InputError, match=r"c.jsonl:2: the chat template refused it: Conversation roles must alt"):
+        prepare(PrepareConfig(str(strict), str(src), str(tmp_path / "q"), strict=True), progress=False)
+
+
+def test_a_damaged_prepared_folder_is_one_line(verifier, chat_file, tmp_path):
+    out = tmp_path / "p"
+    cfg = PrepareConfig(str(verifier), str(chat_file), str(out), seq_length=64)
+    prepare(cfg, progress=False)
+    fingerprint = PreparedData(out).fingerprint
+    (out / "offsets.npy").unlink()
+    with pytest.raises(InputError, match=r"lacks offsets.npy .*rerun `dspark prepare"):
+        PreparedData(out)
+    line = _one_error_line(run_cli("extract", "--to", "zarr", "--model", verifier, "--data", out,
+                                   "--store", tmp_path / "store", "--target-layer-ids", "1", "3", "5", check=False))
+    assert f"prepared folder {out} lacks offsets.npy" in line
+    # prepare does not call such a folder up to date: it writes it again, the same
+    assert prepare(cfg, progress=False)["up_to_date"] is False and PreparedData(out).fingerprint == fingerprint
+    (out / "prepare.json").write_text("{not json")
+    with pytest.raises(InputError, match="prepare.json is unreadable"):
+        PreparedData(out)
+    (out / "prepare.json").write_text("{}")
+    (out / "input_ids.npy").write_bytes(b"\x93NUMPY")
+    assert prepare(cfg, progress=False)["up_to_date"] is False
+    (out / "input_ids.npy").write_bytes(b"\x93NUMPY")
+    with pytest.raises(InputError, match="input_ids.npy is unreadable"):
+        PreparedData(out).sample(0)
