@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,8 +30,19 @@ class _Group(click.Group):
             sys.exit(130)
 
 
+def _finite(obj):
+    """Strict JSON: a float that JSON cannot hold (inf, nan) prints as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def _echo_json(obj) -> None:
-    click.echo(json.dumps(obj, indent=2, default=str))
+    click.echo(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
 
 
 class IntList(click.Option):
@@ -365,11 +377,12 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
 @click.argument("checkpoint")
 @click.option("--output", required=True)
 @click.option("--verifier-name", required=True, help="How vLLM users name the verifier, e.g. Org/Model.")
-def export_cmd(checkpoint, output, verifier_name):
+@click.option("--force", is_flag=True, help="Write into a non-empty --output that is not an export of CHECKPOINT.")
+def export_cmd(checkpoint, output, verifier_name, force):
     """Write a vLLM-loadable drafter folder and print its `vllm serve` line."""
     from dspark.export import export
 
-    result = export(checkpoint, output, verifier_name)
+    result = export(checkpoint, output, verifier_name, force)
     click.echo(result["serve"])
     click.echo(f"wrote {result['export']} (config.json, model.safetensors, README.md)")
 

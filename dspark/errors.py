@@ -27,6 +27,10 @@ class StoreMismatch(StoreError):
     """A store written for another verifier, layer set, data set or format."""
 
 
+class CheckpointError(DsparkError):
+    """A run's checkpoint or metric log that cannot be written, or a checkpoint unsafe or damaged to read."""
+
+
 def repair_command(store: str, data: str | None = None, model: str | None = None) -> str:
     """The command that re-extracts exactly the damaged and missing samples of a store."""
     return f"`dspark store repair {store} --data {data or 'PREPARED'} --model {model or 'VERIFIER'}`"

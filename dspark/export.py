@@ -1,7 +1,14 @@
-"""`dspark export`: a checkpoint -> a folder vLLM loads, naming the verifier portably."""
+"""`dspark export`: a checkpoint -> a folder vLLM loads, naming the verifier portably.
+
+The output folder must be new or empty, or hold an earlier export of the same checkpoint
+(only the files export writes, with the same weights): rerunning an export is then a no-op
+in effect. Anything else is refused unless --force, which overwrites export's own files and
+leaves any others in place.
+"""
 
 from __future__ import annotations
 
+import filecmp
 import json
 import shutil
 from pathlib import Path
@@ -32,7 +39,21 @@ def _absolute_paths(obj, where="config") -> list[str]:
     return [where] if isinstance(obj, str) and (obj.startswith("/") or obj.startswith("./") or obj.startswith("~")) else []
 
 
-def export(checkpoint: str, output: str, verifier_name: str) -> dict:
+def _check_output(out: Path, src: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--output {out} is a file", "pass a folder (new or empty)")
+    present = {p.name for p in out.iterdir()} if out.exists() else set()
+    if not present or force:
+        return
+    ours = {"config.json", "model.safetensors", "README.md"} | {p.name for p in src.glob("*.py")}
+    if present <= ours and "model.safetensors" in present and \
+            filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False):
+        return  # an earlier export of this checkpoint
+    raise InputError(f"--output {out} is not empty and is not an export of {src}",
+                     "pass a new or empty folder, or --force to overwrite the files export writes there")
+
+
+def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
     from dspark.train.checkpoint import require_checkpoint
 
     src = require_checkpoint(checkpoint)
@@ -47,6 +68,7 @@ def export(checkpoint: str, output: str, verifier_name: str) -> dict:
         raise InputError(f"the checkpoint config still holds local paths at {', '.join(leftover)}",
                          "report this: an exported config must not name local files")
     out = Path(output)
+    _check_output(out, src, force)
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
     for code in src.glob("*.py"):  # speculators' save_pretrained ships its config class beside config.json

@@ -45,6 +45,17 @@ def run_cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 2 MiB filesystem, to fill up for real (needs root; CI runs as root)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)])
+
+
 @pytest.fixture(scope="session")
 def verifier(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "tiny"

@@ -62,6 +62,18 @@ def test_store_of_other_inputs_is_refused(verifier, prepared, store, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_folder_of_other_files_is_not_taken_over_as_a_store(verifier, prepared, tmp_path):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "cat.jpg").write_bytes(b"meow")
+    proc = run_cli("extract", "--model", verifier, "--data", prepared, "--store", folder,
+                   "--target-layer-ids", *LAYERS, "--no-progress", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {folder} is not empty and is not a dspark store (no manifest.json; it holds cat.jpg) (fix: use a "
+        "new or empty folder for a new store, or the folder of an existing store)"]
+    assert sorted(p.name for p in folder.iterdir()) == ["cat.jpg"]
+
+
 def _records(root) -> int:
     return sum((p / "index.bin").stat().st_size // _RECORD.size
                for p in (root / "segments").iterdir() if (p / "index.bin").exists()) if (root / "segments").exists() else 0

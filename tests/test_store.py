@@ -1,6 +1,5 @@
 import multiprocessing as mp
 import struct
-import subprocess
 
 import numpy as np
 import pytest
@@ -110,20 +109,21 @@ def test_manifest_mismatch_is_refused_with_the_difference(tmp_path):
         ZarrStore(tmp_path)
 
 
+def test_a_new_store_goes_only_into_a_new_or_empty_folder(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match=r"is not empty and is not a dspark store \(no manifest.json; it holds "
+                                         r"notes.txt\)"):
+        ZarrSink(tmp_path, manifest())  # every sink path (extract, serve, the live cache, vLLM) opens one
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    (tmp_path / "notes.txt").unlink()
+    write(tmp_path, range(3))  # empty: created; then reopened as the store it now is
+    write(tmp_path, range(3, 6))
+    assert ZarrStore(tmp_path).sample_ids == list(range(6))
+
+
 def test_not_a_store(tmp_path):
     with pytest.raises(StoreError, match="not a dspark store"):
         ZarrStore(tmp_path)
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A real 2 MiB filesystem, to fill up for real (needs root; CI runs as root)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_disk_full_keeps_the_store_valid(tiny_fs):

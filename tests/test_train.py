@@ -4,13 +4,15 @@ import shutil
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import LAYERS, fit, run_cli, train_cfg as cfg
-from dspark.errors import InputError, StoreError, StoreMismatch
+from dspark.errors import CheckpointError, InputError, StoreError, StoreMismatch
+from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
 
@@ -49,7 +51,8 @@ def test_resume_equals_uninterrupted_bitwise(reference_run, tmp_path):
     c, records = reference_run
     interrupted = replace(c, save_path=str(tmp_path / "r"), max_steps=len(records) // 2 + 1)
     partial = fit(interrupted)
-    assert partial[-1]["step"] == interrupted.max_steps  # logged past its last checkpoint
+    assert partial[-1]["step"] == interrupted.max_steps  # stopped between two regular checkpoints...
+    assert (tmp_path / "r" / "latest").resolve().name == f"step-{interrupted.max_steps:06d}"  # ...with one there
     resumed = fit(replace(interrupted, max_steps=None))
     assert [r["metrics"] for r in resumed] == [r["metrics"] for r in records]
 
@@ -215,3 +218,178 @@ def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared
     assert resumed.returncode == 0 and "resuming" in resumed.stderr
     assert [r["metrics"] for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read()] == \
            [r["metrics"] for r in reference]
+
+
+def train_argv(store, prepared, verifier, save, *extra) -> list:
+    """`dspark train` flags equal to conftest's train_cfg."""
+    return ["train", "--store", store, "--data-path", prepared, "--verifier-name-or-path", verifier,
+            "--save-path", save, "--target-layer-ids", *LAYERS, "--max-anchors", "32", "--markov-rank", "16",
+            "--total-seq-len", "512", "--epochs", "2", "--checkpoint-freq", "0.5", "--log-freq", "1",
+            "--lr", "3e-3", "--num-workers", "1", "--prefetch-factor", "2", "--no-progress", "--device", "cpu",
+            *extra]
+
+
+def reject_constant(name):
+    raise AssertionError(f"not strict JSON: {name}")
+
+
+def train_records(records: list[dict]) -> list[tuple]:
+    """What an exact resume must reproduce: every record but its timing."""
+    return [(r["step"], r["split"], r["metrics"]) for r in records]
+
+
+class Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_trainer_state_is_refused_in_one_line_and_runs_nothing(reference_run, store, prepared, verifier,
+                                                                         tmp_path):
+    c, _ = reference_run
+    run = tmp_path / "run"
+    shutil.copytree(c.save_path, run, symlinks=True)
+    marker = tmp_path / "MARKER"
+    state = (run / "latest").resolve() / "trainer_state.pt"
+    torch.save({"state": Exploit(marker)}, state)
+    proc = run_cli(*train_argv(store, prepared, verifier, run), check=False, cwd=tmp_path)
+    assert proc.returncode == 2 and not marker.exists()
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(f"error: {state} is not a safe checkpoint: it names posix.system") and "fix:" in line
+
+
+def test_a_checkpoint_of_an_earlier_dspark_still_loads_under_weights_only(tmp_path):
+    import random
+
+    import numpy as np
+
+    np.random.seed(3), random.seed(3), torch.manual_seed(3)
+    legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save({"rng": [legacy]}, tmp_path / "trainer_state.pt")  # numpy's ndarray tuple, python's tuple
+    want = (np.random.rand(), random.random(), torch.rand(1))
+    set_rng_state(load_trainer_state(tmp_path)["rng"][0])
+    assert (np.random.rand(), random.random(), torch.rand(1)) == want
+    torch.save({"rng": [rng_state()]}, tmp_path / "trainer_state.pt")  # today's form round-trips too
+    want = (np.random.rand(), random.random(), torch.rand(1))
+    set_rng_state(load_trainer_state(tmp_path)["rng"][0])
+    assert (np.random.rand(), random.random(), torch.rand(1)) == want
+
+
+@pytest.fixture(scope="module")
+def reference_log10(store, prepared, verifier, tmp_path_factory):
+    """An uninterrupted run logging every 10 steps: checkpoints at 8, 16, 24 fall between log points."""
+    c = cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "ref10", log_freq=10)
+    return c, fit(c)
+
+
+@pytest.mark.parametrize("how", ["stopped by --max-steps 15", "killed mid-append after the checkpoint at 16"])
+def test_resume_between_log_points_logs_what_the_uninterrupted_run_logs(reference_log10, tmp_path, capsys, how):
+    c, reference = reference_log10
+    run = tmp_path / "r"
+    if how.startswith("stopped"):
+        fit(replace(c, save_path=str(run), max_steps=15))
+        assert (run / "latest").resolve().name == "step-000015"
+    else:
+        fit(replace(c, save_path=str(run), max_steps=22))  # logs step 20, past the checkpoint at 16
+        os.unlink(run / "latest")
+        os.symlink("checkpoints/step-000016", run / "latest")  # the kill came before the one at 22
+        with open(run / "metrics.jsonl", "a") as f:
+            f.write('{"step": 21, "epoch": 1, "split": "tr')  # and cut an append short
+    capsys.readouterr()
+    resumed = fit(replace(c, save_path=str(run)))
+    assert train_records(resumed) == train_records(reference)
+    assert capsys.readouterr().err.count("dropped a half-written last line") == (how.startswith("killed"))
+
+
+def test_replay_names_a_damaged_metrics_line(reference_run, tmp_path):
+    c, _ = reference_run
+    run = tmp_path / "run"
+    shutil.copytree(c.save_path, run, symlinks=True)
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    proc = run_cli("replay", run, "--no-progress", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {run}/metrics.jsonl line 3 is not a whole JSON record (damaged or half-written) (fix: delete "
+        "that line or restore the file; a resumed run drops a half-written last line by itself)"]
+
+
+def test_max_steps_before_any_checkpoint_prints_strict_json_and_resumes_from_there(store, prepared, verifier,
+                                                                                    tmp_path):
+    run = tmp_path / "run"
+    proc = run_cli(*train_argv(store, prepared, verifier, run, "--max-steps", "3"))
+    result = json.loads(proc.stdout, parse_constant=reject_constant)
+    assert result["steps"] == 3 and result["best_val_loss"] is None  # no validation yet
+    assert result["latest"] == str((run / "checkpoints" / "step-000003").resolve())
+
+
+class FakeModel:
+    """save_pretrained as speculators does it: config.json and model.safetensors, `size` floats."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def save_pretrained(self, path):
+        from safetensors.torch import save_file
+
+        (path / "config.json").write_text("{}")
+        save_file({"w": torch.zeros(self.size)}, path / "model.safetensors")
+
+
+def enospc(*_, **__):
+    raise OSError(28, "No space left on device")
+
+
+def assert_failed_save_left_latest(run: RunDir, err: CheckpointError) -> None:
+    assert str(err).startswith(f"could not save checkpoint step-000002 to {run.root / 'checkpoints'}: "
+                               "No space left on device (fix: free disk space and rerun the same command: "
+                               f"training resumes from the last checkpoint {run.root.resolve() / 'checkpoints'}")
+    assert "\n" not in str(err)
+    assert sorted(p.name for p in (run.root / "checkpoints").iterdir()) == ["step-000001"]  # no temp folder
+    assert run.checkpoint("latest").name == "step-000001"
+
+
+def test_a_full_disk_while_checkpointing_is_one_line_and_keeps_latest(tmp_path, monkeypatch):
+    run = RunDir(tmp_path / "run")
+    run.save(1, FakeModel(4), {"state": {"step": 1}}, best=True)
+    monkeypatch.setattr(FakeModel, "save_pretrained", enospc)
+    with pytest.raises(CheckpointError) as err:
+        run.save(2, FakeModel(4), {"state": {"step": 2}}, best=True)
+    assert_failed_save_left_latest(run, err.value)
+    assert run.checkpoint("best").name == "step-000001"
+
+
+@pytest.mark.parametrize("too_big", ["weights", "trainer state"])
+def test_a_really_full_disk_while_checkpointing_is_one_line_and_keeps_latest(tiny_fs, too_big):
+    run = RunDir(tiny_fs / "run")
+    run.save(1, FakeModel(1024), {"state": {"step": 1}}, best=False)
+    big = 1 << 20  # 4 MiB of floats on a 2 MiB disk
+    with pytest.raises(CheckpointError) as err:  # torch and safetensors each word ENOSPC their own way
+        run.save(2, FakeModel(big if too_big == "weights" else 1024),
+                 {"state": {"step": 2}, "big": torch.zeros(big if too_big == "trainer state" else 1)}, best=False)
+    assert_failed_save_left_latest(run, err.value)
+    assert load_trainer_state(run.checkpoint("latest"))["state"] == {"step": 1}
+
+
+def test_export_refuses_a_folder_that_is_not_an_earlier_export_of_the_checkpoint(reference_run, tmp_path):
+    c, _ = reference_run
+    latest = (Path(c.save_path) / "latest").resolve()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    refused = run_cli("export", latest, "--output", out, "--verifier-name", "Org/Tiny", check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: --output {out} is not empty and is not an export of {latest} (fix: pass a new or empty folder, "
+        "or --force to overwrite the files export writes there)"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    run_cli("export", latest, "--output", out, "--verifier-name", "Org/Tiny", "--force")
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").exists()
+    again = tmp_path / "again"
+    for _ in range(2):  # rerunning an export of the same checkpoint is fine...
+        run_cli("export", latest, "--output", again, "--verifier-name", "Org/Tiny")
+    other = next(p for p in (Path(c.save_path) / "checkpoints").iterdir() if p != latest)
+    proc = run_cli("export", other, "--output", again, "--verifier-name", "Org/Tiny", check=False)
+    assert proc.returncode == 2 and "is not an export of" in proc.stderr  # ...another checkpoint's is not

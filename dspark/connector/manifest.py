@@ -78,11 +78,21 @@ class StoreManifest(BaseModel):
     def create_or_match(self, root: Path) -> StoreManifest:
         """Write the manifest unless one exists; then require it to match this one.
 
-        Creation is exclusive (link of a temp file), so concurrent writers agree on one.
+        Creation is exclusive (link of a temp file), so concurrent writers agree on one. A new
+        store goes only into a new or empty folder: a folder of other files is never taken over.
         """
         root.mkdir(parents=True, exist_ok=True)
         path = root / "manifest.json"
         if not path.exists():
+            # Ignored: a concurrent creator's temp manifest, and the lost+found of a fresh filesystem.
+            # A creator links manifest.json before writing anything else, hence the second look.
+            others = sorted(p.name for p in root.iterdir()
+                            if not (p.name.startswith(".manifest.") and p.name.endswith(".tmp"))
+                            and p.name not in ("lost+found", "manifest.json"))
+            if others and not path.exists():
+                raise StoreError(f"{root} is not empty and is not a dspark store (no manifest.json; it holds "
+                                 f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''})",
+                                 "use a new or empty folder for a new store, or the folder of an existing store")
             stamped = self.model_copy(update={"created_at": datetime.now(timezone.utc).isoformat()})
             tmp = root / f".manifest.{uuid.uuid4().hex}.tmp"
             tmp.write_text(stamped.model_dump_json(indent=2))

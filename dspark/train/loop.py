@@ -4,7 +4,9 @@ One step: read-ahead loader -> packed batch -> DSparkDraftModel forward (loss an
 metrics from speculators) -> backward -> clip -> optimizer(s) -> schedule.
 Every `log_freq` steps the window's metrics go to metrics.jsonl; every
 `checkpoint_freq` of an epoch we validate and checkpoint everything a resume
-needs to continue bit for bit: weights, optimizer, schedule, RNG, data position.
+needs to continue bit for bit: weights, optimizer, schedule, RNG, data position,
+and the metric sums of the log window in progress. Stopping at --max-steps
+checkpoints too (without validating), so a rerun continues from exactly there.
 """
 
 from __future__ import annotations
@@ -140,10 +142,15 @@ class Trainer:
         self.scheds = build_schedulers(self.opts, cfg, self.total_steps)
         self.run = RunDir(cfg.save_path)
         self.state = {"epoch": 0, "batch": 0, "step": 0, "best_val_loss": math.inf}
+        # Metric sums since the last log point; checkpointed, so a resume between log points
+        # logs the same window an uninterrupted run does.
+        self.window: dict[str, float] = {}
         self._start_or_resume(force)
+        self.saved_step = self.state["step"]  # the step of the latest checkpoint
         self.log = MetricLog(self.run.metrics_path) if self.dist.main else None
-        if self.dist.main and self.state["step"] > 0:
-            self.log.truncate_after(self.state["step"])
+        if self.dist.main and self.state["step"] > 0 and self.log.truncate_after(self.state["step"]):
+            print(f"{self.log.path}: dropped a half-written last line (a write cut short by a kill or a "
+                  "full disk); the resumed run logs it again", file=sys.stderr)
         self.wrapped = self.model
         if self.dist.world > 1:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -186,6 +193,7 @@ class Trainer:
         for sch, s in zip(self.scheds, st["schedulers"]):
             sch.load_state_dict(s)
         set_rng_state(st["rng"][self.dist.rank])
+        self.window = dict(st.get("windows", [{}] * self.dist.world)[self.dist.rank])
         self.state = st["state"]
         if self.dist.main:  # always said: a resume is never silent
             print(f"resuming {self.run.root} from {ckpt.name} (epoch {self.state['epoch']}, "
@@ -223,25 +231,29 @@ class Trainer:
                 accumulate(acc, metrics)
         return reduce(all_reduce(acc, self.device))
 
-    def checkpoint(self) -> None:
-        val = self.validate()
-        best = val["loss"] < self.state["best_val_loss"]
+    def checkpoint(self, validate: bool = True) -> None:
+        """Validate (unless stopping at --max-steps: the uninterrupted run logs no val record there) and save."""
+        val = self.validate() if validate else None
+        best = val is not None and val["loss"] < self.state["best_val_loss"]
         if best:
             self.state["best_val_loss"] = val["loss"]
-        rngs = [rng_state()]
+        ranks = [(rng_state(), dict(self.window))]  # per rank: its RNG and its unreduced window
         if self.dist.world > 1:
             import torch.distributed as dist
 
-            rngs = [None] * self.dist.world
-            dist.all_gather_object(rngs, rng_state())
+            mine, ranks = ranks[0], [None] * self.dist.world
+            dist.all_gather_object(ranks, mine)
         if self.dist.main:
             if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on
                 self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint()})
-            self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val", "metrics": val})
+            if val is not None:
+                self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val",
+                                "metrics": val})
             self.run.save(self.state["step"], self.model, {
-                "state": dict(self.state), "rng": rngs,
+                "state": dict(self.state), "rng": [r for r, _ in ranks], "windows": [w for _, w in ranks],
                 "optimizers": [o.state_dict() for o in self.opts],
                 "schedulers": [s.state_dict() for s in self.scheds]}, best)
+        self.saved_step = self.state["step"]
         if self.dist.world > 1:
             torch.distributed.barrier()
 
@@ -251,7 +263,6 @@ class Trainer:
 
         cfg, st = self.cfg, self.state
         bar = tqdm(total=self.total_steps, initial=st["step"], desc="train", unit="step", disable=not self.progress)
-        window: dict[str, float] = {}
         stop_at = cfg.max_steps if cfg.max_steps is not None else self.total_steps
         while st["epoch"] < cfg.epochs and st["step"] < stop_at:
             batches = self.epoch_plan[st["epoch"]]
@@ -267,13 +278,13 @@ class Trainer:
                                      f"repair the store ({self.data.repair}), or bring the live source back")
                 if stepped:
                     start = time.perf_counter()
-                    accumulate(window, self.step(batch))
+                    accumulate(self.window, self.step(batch))
                     compute += time.perf_counter() - start
                     st["step"] += 1
                     bar.update()
                 st["batch"] += 1
                 if stepped and st["step"] % cfg.log_freq == 0:
-                    metrics = reduce(all_reduce(window, self.device))
+                    metrics = reduce(all_reduce(self.window, self.device))
                     metrics["lr"] = self.scheds[0].get_last_lr()[0]
                     wait = loader.wait_seconds
                     if self.dist.main:  # timing and live counters are recorded, never compared by replay
@@ -285,7 +296,7 @@ class Trainer:
                             record["damaged_skipped"] = len(self.data.damaged)
                         self.log.write(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
-                    window = {}
+                    self.window = {}
                 if st["batch"] == len(batches):
                     st["epoch"] += 1
                     st["batch"] = 0
@@ -294,6 +305,8 @@ class Trainer:
                     self.checkpoint()
                 if st["step"] >= stop_at:
                     break
+        if st["step"] != self.saved_step:  # stopped by --max-steps: resumable from exactly here
+            self.checkpoint(validate=False)
         bar.close()
         self.source.close()
         if self.dist.world > 1:
@@ -301,7 +314,9 @@ class Trainer:
         report = self.data.damaged_report()
         if report:
             print(f"warning: {report}", file=sys.stderr)
+        latest, best = self.run.checkpoint("latest"), st["best_val_loss"]
         return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
-                "best_val_loss": st["best_val_loss"], "latest": str(self.run.checkpoint("latest")),
+                "best_val_loss": best if math.isfinite(best) else None,  # null: no validation yet
+                "latest": str(latest) if latest else None,
                 **({"live": self.source.stats} if self.source.stats else {}),
                 **({"damaged_skipped": sorted(self.data.damaged)} if self.data.damaged else {})}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from dspark.errors import CheckpointError, InputError
+
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:
     """Add speculators' `*_sum` / `*_total` tensors into running float sums."""
@@ -51,22 +53,50 @@ class MetricLog:
             except ImportError:  # tensorboard is optional
                 pass
 
-    def truncate_after(self, step: int) -> None:
-        """Drop records a killed run logged past its last checkpoint; resume logs them again."""
-        keep = [r for r in self.read() if r["step"] <= step]
+    def truncate_after(self, step: int) -> bool:
+        """Drop records a killed run logged past its last checkpoint; resume logs them again.
+
+        A half-written last line (a kill or a full disk mid-append) goes too; says whether there was one.
+        """
+        records, torn = self._parse(drop_torn_tail=True)
+        keep = [r for r in records if r["step"] <= step]
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
         tmp.replace(self.path)
+        return torn
 
     def write(self, record: dict) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:  # a full disk: at worst a torn last line, which a resume drops
+            raise CheckpointError(f"could not append to {self.path}: {e.strerror or e}",
+                                  "free disk space and rerun the same command: training resumes from its "
+                                  "latest checkpoint") from e
         if self._tb is not None:
             for k, v in record["metrics"].items():
                 self._tb.add_scalar(f"{record['split']}/{k}", v, record["step"])
             self._tb.flush()
 
     def read(self) -> list[dict]:
+        """Every record; a line that is not a whole record is an error naming the file and line."""
+        return self._parse(drop_torn_tail=False)[0]
+
+    def _parse(self, drop_torn_tail: bool) -> tuple[list[dict], bool]:
         if not self.path.exists():
-            return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            return [], False
+        text = self.path.read_text()
+        lines = text.splitlines()
+        records = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if drop_torn_tail and n == len(lines) and not text.endswith("\n"):
+                    return records, True
+                raise InputError(f"{self.path} line {n} is not a whole JSON record (damaged or half-written)",
+                                 "delete that line or restore the file; a resumed run drops a half-written "
+                                 "last line by itself") from None
+        return records, False
