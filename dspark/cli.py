@@ -6,11 +6,14 @@ import json
 import math
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import click
 
+from dspark.config import IntList, MooncakeConfig, ServeLimits, build, check_settings, config_file_option, nest, options
 from dspark.errors import DsparkError
+from dspark.train.config import TrainConfig
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -43,37 +46,6 @@ def _finite(obj):
 
 def _echo_json(obj) -> None:
     click.echo(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
-
-
-class IntList(click.Option):
-    """An option taking one or more ints: `--target-layer-ids 1 3 5` (the seed's style) or `1,3,5`.
-
-    Click options take a fixed count of values, so this one swallows the words
-    that follow it up to the next option.
-    """
-
-    def add_to_parser(self, parser, ctx):
-        super().add_to_parser(parser, ctx)
-        for name in self.opts:
-            opt = parser._long_opt.get(name) or parser._short_opt.get(name)
-            if opt:
-                orig = opt.process
-
-                def process(value, state, orig=orig):
-                    values = [value]
-                    while state.rargs and not state.rargs[0].startswith("-"):
-                        values.append(state.rargs.pop(0))
-                    orig(" ".join(values), state)
-
-                opt.process = process
-
-    def type_cast_value(self, ctx, value):
-        if value is None:
-            return None
-        try:
-            return [int(x) for x in str(value).replace(",", " ").split()]
-        except ValueError:
-            raise click.BadParameter(f"expected integers, got {value!r}") from None
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
@@ -138,47 +110,28 @@ def prepare(**kw):
     _echo_json(summary)
 
 
-def _mooncake_options(f):
-    """The seed's Mooncake flags; `_mooncake_config(kw)` turns them into a MooncakeConfig."""
-    opts = [
-        click.option("--mooncake-master", default="127.0.0.1:50051", show_default=True),
-        click.option("--mooncake-metadata-server", default="P2PHANDSHAKE", show_default=True),
-        click.option("--mooncake-protocol", type=click.Choice(["tcp", "rdma"]), default="tcp", show_default=True),
-        click.option("--mooncake-device", default="", help="RDMA device name(s)."),
-        click.option("--mooncake-global-segment-gib", type=float, default=1.0, show_default=True,
-                     help="Memory this process contributes to the store (0 for a pure consumer)."),
-        click.option("--mooncake-local-buffer-gib", type=float, default=0.5, show_default=True),
-        click.option("--mooncake-writer-threads", type=int, default=2, show_default=True),
-        click.option("--mooncake-local-hostname", default="127.0.0.1", show_default=True,
-                     help="Address the other nodes reach this process at (its node's name or IP when "
-                          "the master, extractor and trainer run on different nodes)."),
-        click.option("--mooncake-linger-seconds", type=float, default=600.0, show_default=True,
-                     help="A producer that mounts memory waits this long at exit for consumers."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def _mooncake_config(kw: dict) -> dict:
-    """Pop the --mooncake-* options out of a command's kwargs into MooncakeConfig fields."""
-    return {name: kw.pop(f"mooncake_{name}") for name in
-            ("master", "metadata_server", "protocol", "device", "global_segment_gib", "local_buffer_gib",
-             "writer_threads", "local_hostname", "linger_seconds")}
+def _pop_config(kw: dict, name: str, cls):
+    """Take the options `options(cls, prefix=(name,))` added out of a command's kwargs, as a `cls`."""
+    mine = {k: kw.pop(k) for k in [k for k in kw if k.startswith(name + "__")]}
+    cfg = build(cls, nest(mine)[name], f"--{name}-* options")
+    check_settings(cfg, (name,))
+    return cfg
 
 
 @main.command()
 @click.option("--to", "to", default="zarr", show_default=True, help="Sink(s): zarr, mooncake or zarr,mooncake.")
 @click.option("--model", required=True)
 @click.option("--data", required=True, help="A folder written by `dspark prepare`.")
-@click.option("--store", default=None, help="Zarr store folder (created or resumed); needed with --to zarr.")
+@click.option("--store", default=None, help="Zarr store folder (created or resumed); default: "
+              "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
 @click.option("--target-layer-ids", cls=IntList, required=True, help="e.g. `1 3 5` or `1,3,5`.")
 @click.option("--engine", type=click.Choice(["transformers", "vllm"]), default="transformers", show_default=True,
               help="vllm: vllm.LLM with our KV connector (run from .venv-vllm).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None, help="Override the verifier dtype (default: its config's).")
-@click.option("--batch-tokens", type=int, default=8192, show_default=True, help="Padded tokens per forward.")
-@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Padded tokens per forward.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--fp8", is_flag=True, help="Store fp8 e4m3 with a scale per token and layer (half of bf16).")
 @click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: ~1 MiB chunks).")
 @click.option("--shard", default="0/1", show_default=True, help="INDEX/COUNT: this writer's share of batches.")
@@ -189,112 +142,34 @@ def _mooncake_config(kw: dict) -> dict:
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="vllm engine: devices one extraction process spans (one shard per node: see --shard).")
 @click.option("--no-progress", is_flag=True)
-@_mooncake_options
+@options(MooncakeConfig, prefix=("mooncake",))
 def extract(fp8, no_progress, **kw):
     """Capture verifier hidden states into a Zarr store and/or Mooncake (resumable, crash-safe).
 
     --to mooncake streams each sample to the live store for a trainer reading with
     --from mooncake (producer-driven, with back-pressure); --to zarr,mooncake tees.
     """
-    from dspark.connector.mooncake import MooncakeConfig
     from dspark.extract.runner import ExtractConfig, run_extract
 
-    mooncake = MooncakeConfig(**_mooncake_config(kw))
+    mooncake = _pop_config(kw, "mooncake", MooncakeConfig)
     cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", mooncake=mooncake, **kw)
     _echo_json(run_extract(cfg, progress=not no_progress))
 
 
-def _train_options(f):
-    """The seed's `train.py` flags, under their names."""
-    opts = [
-        click.option("--from", "source", type=click.Choice(["zarr", "mooncake"]), default=None,
-                     help="Where hidden states come from (default zarr)."),
-        click.option("--hidden-states-backend", type=click.Choice(["zarr", "mooncake"]), default=None,
-                     help="The seed's name for --from."),
-        click.option("--store", "--cache", "store", required=True,
-                     help="Zarr store (--from zarr) or the local cache a live run fills (--from mooncake)."),
-        click.option("--data-path", required=True, help="The prepared folder the store was extracted from."),
-        click.option("--verifier-name-or-path", required=True),
-        click.option("--trust-remote-code", is_flag=True),
-        click.option("--save-path", required=True, help="Run folder (resumed if it exists)."),
-        click.option("--draft-config", default=None, help="JSON file with the draft decoder layer config."),
-        click.option("--num-layers", type=int, default=1, show_default=True, help="Draft decoder layers."),
-        click.option("--draft-vocab-size", type=int, default=None, help="Reduced draft vocabulary (from prepare's token frequencies)."),
-        click.option("--mask-token-id", type=int, default=None, help="Default: the tokenizer's mask token."),
-        click.option("--epochs", type=int, default=1, show_default=True),
-        click.option("--checkpoint-freq", type=float, default=1.0, show_default=True, help="Fraction of an epoch."),
-        click.option("--total-seq-len", type=int, default=2048, show_default=True, help="Tokens per packed batch."),
-        click.option("--train-data-ratio", type=float, default=0.9, show_default=True),
-        click.option("--speculator-type", default="dspark", show_default=True),
-        click.option("--target-layer-ids", cls=IntList, required=True),
-        click.option("--block-size", type=int, default=8, show_default=True),
-        click.option("--max-anchors", type=int, default=512, show_default=True),
-        click.option("--dflash-decay-gamma", type=float, default=4.0, show_default=True),
-        click.option("--markov-rank", type=int, default=256, show_default=True, help="0 disables the Markov head."),
-        click.option("--markov-head-type", type=click.Choice(["vanilla", "gated", "rnn"]), default="vanilla", show_default=True),
-        click.option("--enable-confidence-head/--no-enable-confidence-head", default=True, show_default=True),
-        click.option("--confidence-head-with-markov/--no-confidence-head-with-markov", default=True, show_default=True),
-        click.option("--confidence-head-alpha", type=float, default=1.0, show_default=True),
-        click.option("--loss-fn", default='{"ce": 0.1, "tv": 0.9}', show_default=True),
-        click.option("--optimizer", type=click.Choice(["muon", "adamw"]), default="muon", show_default=True),
-        click.option("--lr", type=float, default=1e-3, show_default=True),
-        click.option("--weight-decay", type=float, default=0.0, show_default=True),
-        click.option("--scheduler-type", type=click.Choice(["cosine", "linear", "none"]), default="cosine", show_default=True),
-        click.option("--scheduler-warmup-ratio", type=float, default=0.03, show_default=True),
-        click.option("--max-grad-norm", type=float, default=1.0, show_default=True),
-        click.option("--num-workers", type=int, default=2, show_default=True, help="Reader threads."),
-        click.option("--prefetch-factor", type=int, default=4, show_default=True, help="Batches read ahead."),
-        click.option("--log-freq", type=int, default=10, show_default=True),
-        click.option("--seed", type=int, default=0, show_default=True),
-        click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda."),
-        click.option("--max-steps", type=int, default=None, help="Stop after this many steps (resumable)."),
-        click.option("--on-damaged", type=click.Choice(["skip", "raise"]), default="skip", show_default=True,
-                     help="A sample failing its checksum (or whose chunk is lost): skip it, named at the end, "
-                          "or stop."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-def _live_options(f):
-    opts = [
-        click.option("--vllm-endpoint", default=None,
-                     help="Extraction server (vLLM + our connector, or `dspark serve`), e.g. http://host:8000/v1. "
-                          "Without it a live run waits for a producer (`dspark extract --to mooncake`)."),
-        click.option("--on-missing", type=click.Choice(["generate", "skip", "warn", "raise"]), default="generate",
-                     show_default=True, help="A sample not in the cache: fetch it live, or skip/warn/fail."),
-        click.option("--on-generate", type=click.Choice(["keep", "delete"]), default="keep", show_default=True,
-                     help="delete: free it from Mooncake once cached."),
-        click.option("--request-timeout", type=float, default=60.0, show_default=True),
-        click.option("--max-retries", type=int, default=3, show_default=True),
-        click.option("--generation-validation-retries", type=int, default=2, show_default=True),
-        click.option("--max-consecutive-generation-failures", type=int, default=8, show_default=True),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-LIVE_KEYS = ("vllm_endpoint", "on_missing", "on_generate", "request_timeout", "max_retries",
-             "generation_validation_retries", "max_consecutive_generation_failures")
-
-
 @main.command()
-@_train_options
-@_live_options
-@_mooncake_options
+@config_file_option(TrainConfig)
+@options(TrainConfig)
+@click.option("--print-config", is_flag=True, help="Print the resolved settings (a --config file) and exit.")
 @click.option("--force", is_flag=True, help="Resume even if the config or store changed.")
 @click.option("--no-progress", is_flag=True)
-def train(force, no_progress, hidden_states_backend, source, **kw):
+def train(print_config, force, no_progress, **kw):
     """Train a DSpark drafter on stored (or live) hidden states; resumes from --save-path."""
-    from dspark.train.config import TrainConfig
+    cfg = TrainConfig.from_dict(nest(kw), "the command line").validate()
+    if print_config:
+        _echo_json(cfg.to_dict())
+        return
     from dspark.train.loop import Trainer
 
-    live = {k: kw.pop(k) for k in LIVE_KEYS}
-    live["endpoint"] = live.pop("vllm_endpoint")
-    live["mooncake"] = _mooncake_config(kw)
-    cfg = TrainConfig(source=source or hidden_states_backend or "zarr", live=live, **kw)
     _echo_json(Trainer(cfg, force=force, progress=not no_progress).fit())
 
 
@@ -302,8 +177,8 @@ def train(force, no_progress, hidden_states_backend, source, **kw):
 @click.option("--model", required=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--hidden-states-backend", "to", default="mooncake", show_default=True,
-              help="Sink(s): mooncake, zarr or zarr,mooncake.")
+@click.option("--to", "--hidden-states-backend", "to", default="mooncake", show_default=True,
+              help="Sink(s): mooncake, zarr or zarr,mooncake (--hidden-states-backend is the seed's name).")
 @click.option("--store", default=None, help="Zarr store (with the zarr backend).")
 @click.option("--data", default=None,
               help="Prepared data: pins the store identity (needed with zarr; live requests name their own).")
@@ -311,11 +186,11 @@ def train(force, no_progress, hidden_states_backend, source, **kw):
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--dtype", default=None)
 @click.option("--trust-remote-code", is_flag=True)
-@_mooncake_options
+@options(ServeLimits)
+@options(MooncakeConfig, prefix=("mooncake",))
 def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, trust_remote_code, **kw):
     """OpenAI-compatible extraction server (the CPU/test stand-in for vLLM + our KV connector)."""
     from dspark.connector.config import SinkConfig
-    from dspark.connector.mooncake import MooncakeConfig
     from dspark.connector.producer import Producer
     from dspark.errors import InputError
     from dspark.extract.serve import ExtractionService, make_server
@@ -325,12 +200,13 @@ def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, t
     if "zarr" in to and (data is None or store is None):
         raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
                          "pass both, or use --hidden-states-backend mooncake")
+    limits = ServeLimits(**{f.name: kw.pop(f.name) for f in fields(ServeLimits)})
     engine = TransformersEngine(model, target_layer_ids, device, dtype, trust_remote_code)
-    mooncake = MooncakeConfig(**_mooncake_config(kw))
+    mooncake = _pop_config(kw, "mooncake", MooncakeConfig)
     sinks = SinkConfig(to=to, store=store, prepared_fingerprint=PreparedData(data).fingerprint if data else None,
                        writer_threads=mooncake.writer_threads, mooncake=mooncake)
     producer = Producer(sinks, model, target_layer_ids, engine.dtype_name, trust_remote_code)
-    server = make_server(ExtractionService(engine, producer, Path(model).name), host, port)
+    server = make_server(ExtractionService(engine, producer, Path(model).name, limits), host, port)
     click.echo(f"dspark serve: {model} on http://{host}:{port}/v1 -> {to}", err=True)
     try:
         server.serve_forever()

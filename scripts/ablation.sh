@@ -7,11 +7,8 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 D=${DSPARK_DEMO:-cache}
 EPOCHS=${1:-6}
-common=(--from zarr --store "$D/stores/demo" --data-path "$D/prepared/demo" --verifier-name-or-path "$D/models/tiny"
-        --target-layer-ids 1 3 5 --block-size 8 --max-anchors 64 --dflash-decay-gamma 4.0
-        --loss-fn '{"ce":0.1,"tv":0.9}' --optimizer muon --lr 3e-3 --scheduler-type cosine
-        --scheduler-warmup-ratio 0.03 --epochs "$EPOCHS" --checkpoint-freq 0.5 --train-data-ratio 0.9
-        --total-seq-len 1024 --log-freq 10 --seed 0 --no-progress)
+common=(--config scripts/configs/demo.yaml --from zarr --store "$D/stores/demo" --data-path "$D/prepared/demo"
+        --verifier-name-or-path "$D/models/tiny" --epochs "$EPOCHS" --no-progress)
 .venv/bin/dspark train "${common[@]}" --save-path "$D/runs/ablation-dspark-e$EPOCHS" --markov-rank 32 \
     --enable-confidence-head --confidence-head-with-markov
 .venv/bin/dspark train "${common[@]}" --save-path "$D/runs/ablation-dflash-e$EPOCHS" --markov-rank 0 \

@@ -15,13 +15,7 @@ dspark prepare --model "$D/models/tiny" --data "$DATA" --output "$D/prepared/dem
 dspark extract --to zarr --model "$D/models/tiny" --data "$D/prepared/demo" \
     --store "$D/stores/demo" --target-layer-ids 1 3 5 --no-progress
 dspark store info "$D/stores/demo"
-dspark train --from zarr --store "$D/stores/demo" --data-path "$D/prepared/demo" \
-    --verifier-name-or-path "$D/models/tiny" --save-path "$D/runs/demo" \
-    --speculator-type dspark --target-layer-ids 1 3 5 --block-size 8 --max-anchors 64 \
-    --dflash-decay-gamma 4.0 --markov-rank 32 --markov-head-type vanilla \
-    --enable-confidence-head --confidence-head-with-markov --confidence-head-alpha 1.0 \
-    --loss-fn '{"ce":0.1,"tv":0.9}' --optimizer muon --lr 3e-3 --scheduler-type cosine \
-    --scheduler-warmup-ratio 0.03 --epochs 6 --checkpoint-freq 0.5 --train-data-ratio 0.9 \
-    --total-seq-len 1024 --log-freq 10 --seed 0
+dspark train --config scripts/configs/demo.yaml --from zarr --store "$D/stores/demo" \
+    --data-path "$D/prepared/demo" --verifier-name-or-path "$D/models/tiny" --save-path "$D/runs/demo"
 dspark export "$D/runs/demo/latest" --output "$D/export/demo" --verifier-name dspark/tiny-verifier
 dspark eval --checkpoint "$D/runs/demo/latest" --store "$D/stores/demo"

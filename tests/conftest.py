@@ -98,7 +98,7 @@ def train_cfg(store, prepared, verifier, save, **kw):
     base = dict(store=str(store), data_path=str(prepared), verifier_name_or_path=str(verifier), save_path=str(save),
                 target_layer_ids=LAYERS, block_size=8, max_anchors=32, markov_rank=16, total_seq_len=512,
                 epochs=2, checkpoint_freq=0.5, log_freq=1, lr=3e-3, num_workers=1, prefetch_factor=2)
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_dict({**base, **kw})
 
 
 def fit(c, **kw) -> list[dict]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from dspark.connector.mooncake import MooncakeConfig
+from dspark.config import MooncakeConfig
 from dspark.errors import InputError
 
 

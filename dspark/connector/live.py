@@ -23,13 +23,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 
 import numpy as np
 
+from dspark.config import LiveConfig
 from dspark.connector.base import PromptSet, Sample, Source, register_source
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.mooncake import CorruptObject, MooncakeConfig, MooncakeError, MooncakeReader, ProducerFailed
+from dspark.connector.mooncake import CorruptObject, MooncakeError, MooncakeReader, ProducerFailed
 from dspark.connector.zarr_store import ZarrSink, ZarrStore
 from dspark.errors import DamagedSample, DsparkError, StoreError
 
@@ -38,18 +38,6 @@ log = logging.getLogger("dspark.live")
 
 class LiveSourceDown(DsparkError):
     """Too many consecutive live failures: stop rather than train on a shrinking data set."""
-
-
-@dataclass
-class LiveConfig:
-    endpoint: str | None = None  # None: producer-driven, wait for `dspark extract --to mooncake`
-    on_missing: str = "generate"  # generate | skip | warn | raise
-    on_generate: str = "keep"  # keep | delete (free Mooncake once the sample is cached)
-    request_timeout: float = 60.0
-    max_retries: int = 3
-    generation_validation_retries: int = 2
-    max_consecutive_generation_failures: int = 8
-    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
 
 class ExtractionClient:

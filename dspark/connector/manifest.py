@@ -120,6 +120,13 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
     return list(layer_ids)
 
 
+def default_store(model: str | Path, target_layer_ids: list[int], prepared_fingerprint: str) -> str:
+    """Where a store lives when no --store/--cache is given: named by what makes its identity,
+    so `dspark extract` and `dspark train` find the same folder without being told."""
+    layers = "-".join(map(str, target_layer_ids))
+    return str(Path("cache") / "stores" / f"{Path(model).name}-L{layers}-{prepared_fingerprint[:12]}")
+
+
 def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
     """Power-of-two token count giving ~1 MiB chunks (smaller chunks compress worse)."""
     tokens = max(1, target_bytes // token_bytes)

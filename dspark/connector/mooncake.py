@@ -21,13 +21,13 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from math import prod
 
 import numpy as np
 import torch
 import xxhash  # ~10x faster than zlib.crc32: the checksum must not be the live path's bottleneck
 
+from dspark.config import MooncakeConfig
 from dspark.connector.base import Sample, Sink, register_sink
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import DsparkError
@@ -65,22 +65,6 @@ class CorruptObject(MooncakeError):
 
 class ProducerFailed(MooncakeError):
     """The producer published an error marker for this sample."""
-
-
-@dataclass
-class MooncakeConfig:
-    master: str = "127.0.0.1:50051"
-    metadata_server: str = "P2PHANDSHAKE"
-    protocol: str = "tcp"
-    device: str = ""
-    global_segment_gib: float = 1.0
-    local_buffer_gib: float = 0.5
-    writer_threads: int = 2
-    local_hostname: str = "127.0.0.1"
-    put_timeout: float = 60.0  # how long a producer waits for space (back-pressure) before failing
-    # Objects live in the memory their writers mount: a producer that mounted a segment
-    # waits this long at exit for consumers to read what it published.
-    linger_seconds: float = 600.0
 
 
 def master_binary() -> str:

@@ -26,10 +26,12 @@ import signal
 import subprocess
 import sys
 import time
+import typing
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from dspark.config import MooncakeConfig, cli_leaves
 from dspark.errors import DsparkError, InputError
 
 CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
@@ -75,11 +77,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--print-only", action="store_true", help="Print the command, env and configs as JSON.")
     # Unset Mooncake flags keep MooncakeConfig's defaults, so they are defined in one place.
     mc = p.add_argument_group("Mooncake (unset: dspark's MooncakeConfig defaults)")
-    for name, kind in (("master", str), ("metadata-server", str), ("device", str), ("global-segment-gib", float),
-                       ("local-buffer-gib", float), ("writer-threads", int), ("local-hostname", str),
-                       ("linger-seconds", float)):
-        mc.add_argument(f"--mooncake-{name}", type=kind, default=argparse.SUPPRESS)
-    mc.add_argument("--mooncake-protocol", choices=["tcp", "rdma"], default=argparse.SUPPRESS)
+    for _, flags, f, hint in cli_leaves(MooncakeConfig, prefix=("mooncake",)):
+        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
+        mc.add_argument(*flags, type=None if choices else hint, choices=choices, default=argparse.SUPPRESS,
+                        help=f.metadata["help"])
     args = p.parse_args(ours)
     try:
         args.target_layer_ids = [int(x) for word in args.target_layer_ids for x in word.split(",") if x]
@@ -130,7 +131,6 @@ def _fingerprint(data: str) -> str:
 def sink_config(args: argparse.Namespace) -> dict:
     """kv_connector_extra_config: everything the connector in vLLM's processes needs."""
     from dspark.connector.config import SinkConfig  # heavy (torch, zarr): after the flags are checked
-    from dspark.connector.mooncake import MooncakeConfig
 
     sinks = args.hidden_states_backend.split(",")
     if not set(sinks) <= {"zarr", "mooncake"}:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 from dspark.connector.base import open_sink
 from dspark.connector.config import SinkConfig
-from dspark.connector.manifest import manifest_for_model
-from dspark.connector.mooncake import MooncakeConfig
+from dspark.connector.manifest import default_store, manifest_for_model
+from dspark.config import MooncakeConfig
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
 from dspark.fingerprint import tokenizer_hash
@@ -32,7 +32,7 @@ from dspark.prepare import PreparedData
 class ExtractConfig:
     model: str
     data: str
-    store: str
+    store: str | None  # None with --to zarr: default_store(...)
     target_layer_ids: list[int]
     to: str = "zarr"
     engine: str = "transformers"  # transformers (any device) | vllm (vllm.LLM + our KV connector)
@@ -98,6 +98,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
 
     shard_i, shard_n = parse_shard(cfg.shard)
     data = PreparedData(cfg.data)
+    if cfg.store is None and "zarr" in cfg.to:
+        cfg = replace(cfg, store=default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")

@@ -30,33 +30,16 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 import torch
 
+from dspark.config import ServeLimits
 from dspark.connector.base import Sample
 from dspark.connector.producer import Producer
 from dspark.errors import DsparkError, InputError
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    # Longest prompt in tokens; None: the verifier's max_position_embeddings (positions past it were never trained).
-    max_model_len: int | None = None
-    client_timeout: float = 30.0  # seconds a connection has to send its request; also bounds each reply write
-    max_connections: int = 64  # served at once, one thread each (forwards run one at a time anyway); more get 503
-
-    def __post_init__(self):
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise InputError(f"--max-model-len {self.max_model_len} must be >= 1",
-                             "pass a length in tokens, or leave it out")
-        if not self.client_timeout > 0:
-            raise InputError(f"--client-timeout {self.client_timeout} must be > 0", "pass seconds, e.g. 30")
-        if self.max_connections < 1:
-            raise InputError(f"--max-connections {self.max_connections} must be >= 1", "pass e.g. 64")
 
 
 class ExtractionService:

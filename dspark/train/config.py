@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
+from dspark.config import LiveConfig, build, check_settings, setting
 from dspark.errors import InputError
 
 # Keys that may change when resuming or replaying without changing the result.
@@ -17,81 +19,84 @@ RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "d
 
 @dataclass
 class TrainConfig:
-    store: str
-    data_path: str
-    verifier_name_or_path: str
-    save_path: str
-    target_layer_ids: list[int]
-    source: str = "zarr"
-    trust_remote_code: bool = False
-    draft_config: str | None = None
-    num_layers: int = 1
-    draft_vocab_size: int | None = None
-    mask_token_id: int | None = None
-    epochs: int = 1
-    checkpoint_freq: float = 1.0
-    total_seq_len: int = 2048
-    train_data_ratio: float = 0.9
-    speculator_type: str = "dspark"
-    block_size: int = 8
-    max_anchors: int = 512
-    dflash_decay_gamma: float = 4.0
-    markov_rank: int = 256
-    markov_head_type: str = "vanilla"
-    enable_confidence_head: bool = True
-    confidence_head_with_markov: bool = True
-    confidence_head_alpha: float = 1.0
-    loss_fn: str = '{"ce": 0.1, "tv": 0.9}'
-    optimizer: str = "muon"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    scheduler_type: str = "cosine"
-    scheduler_warmup_ratio: float = 0.03
-    max_grad_norm: float = 1.0
-    num_workers: int = 2
-    prefetch_factor: int = 4
-    log_freq: int = 10
-    seed: int = 0
-    device: str = "auto"
-    max_steps: int | None = None
-    on_damaged: str = "skip"  # a sample failing its checksum: skip it (named at the end) or raise
-    live: dict = field(default_factory=dict)  # LiveConfig fields for --from mooncake
+    """`dspark train`'s settings (the seed's `train.py` flags, under their names): each one's only definition."""
+
+    data_path: str = setting(help="The prepared folder the store was extracted from.")
+    verifier_name_or_path: str = setting(help="The verifier's local folder.")
+    save_path: str = setting(help="Run folder (resumed if it exists).")
+    target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.")
+    source: Literal["zarr", "mooncake"] = setting(
+        "zarr", "Where hidden states come from (--hidden-states-backend is the seed's name).",
+        flags=("--from", "--hidden-states-backend"))
+    store: str | None = setting(
+        None, "Zarr store (--from zarr) or the local cache a live run fills (--from mooncake); default: "
+              "cache/stores/<verifier>-L<layers>-<data>, where `dspark extract` puts it.", flags=("--store", "--cache"))
+    trust_remote_code: bool = setting(False, negatable=False)
+    draft_config: str | None = setting(None, "JSON file with the draft decoder layer config.")
+    num_layers: int = setting(1, "Draft decoder layers.", ge=1)
+    draft_vocab_size: int | None = setting(None, "Reduced draft vocabulary (from prepare's token frequencies).", ge=1)
+    mask_token_id: int | None = setting(None, "Default: the tokenizer's mask token.", ge=0)
+    epochs: int = setting(1, ge=1)
+    checkpoint_freq: float = setting(1.0, "Fraction of an epoch.", gt=0)
+    total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
+    train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
+    speculator_type: Literal["dspark"] = setting("dspark")
+    block_size: int = setting(8, "Tokens drafted per block.", ge=1)
+    max_anchors: int = setting(512, "Blocks sampled per batch.", ge=1)
+    dflash_decay_gamma: float = setting(4.0, "Loss decay over block positions.", gt=0)
+    markov_rank: int = setting(256, "0 disables the Markov head.", ge=0)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = setting("vanilla")
+    enable_confidence_head: bool = setting(True)
+    confidence_head_with_markov: bool = setting(True)
+    confidence_head_alpha: float = setting(1.0, ge=0)
+    loss_fn: str = setting('{"ce": 0.1, "tv": 0.9}', "A loss name or a JSON map of loss names to weights.")
+    optimizer: Literal["muon", "adamw"] = setting("muon", "muon: Muon for hidden 2-D weights, AdamW for the rest.")
+    lr: float = setting(1e-3, gt=0)
+    weight_decay: float = setting(0.0, ge=0)
+    scheduler_type: Literal["cosine", "linear", "none"] = setting("cosine")
+    scheduler_warmup_ratio: float = setting(0.03, "Fraction of the steps spent warming up.", ge=0)
+    max_grad_norm: float = setting(1.0, gt=0)
+    num_workers: int = setting(2, "Reader threads.", ge=1)
+    prefetch_factor: int = setting(4, "Batches read ahead.", ge=1)
+    log_freq: int = setting(10, "Steps per logged window.", ge=1)
+    seed: int = setting(0)
+    device: str = setting("auto", "auto, cpu or cuda.")
+    max_steps: int | None = setting(None, "Stop after this many steps (resumable).", ge=1)
+    on_damaged: Literal["skip", "raise"] = setting(
+        "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
+    live: LiveConfig = setting(factory=LiveConfig, prefixed=False)  # --from mooncake; the seed's flag names
 
     def validate(self) -> TrainConfig:
-        if self.speculator_type != "dspark":
-            raise InputError(f"--speculator-type {self.speculator_type} is not supported", "use dspark")
+        check_settings(self)
         if self.total_seq_len < 2 * self.block_size:
             raise InputError(f"--total-seq-len {self.total_seq_len} is shorter than two blocks of "
                              f"--block-size {self.block_size}", f"use --total-seq-len >= {2 * self.block_size}")
         if not 0 < self.train_data_ratio < 1:
             raise InputError(f"--train-data-ratio {self.train_data_ratio} must be in (0, 1)",
                              "e.g. 0.9 keeps 10% for validation")
-        if not 0 < self.checkpoint_freq <= 1 * max(1, self.epochs):
+        if self.checkpoint_freq > max(1, self.epochs):
             raise InputError(f"--checkpoint-freq {self.checkpoint_freq} must be a positive fraction of an epoch",
                              "e.g. 0.5 checkpoints twice per epoch")
+        if not self.scheduler_warmup_ratio < 1:
+            raise InputError(f"--scheduler-warmup-ratio {self.scheduler_warmup_ratio} leaves no steps after warm-up",
+                             "use a fraction below 1, e.g. 0.03")
         if self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank <= 0:
             raise InputError("--confidence-head-with-markov needs a Markov head, but --markov-rank is 0",
                              "add --no-confidence-head-with-markov, or set --markov-rank > 0")
-        if self.on_damaged not in ("skip", "raise"):
-            raise InputError(f"--on-damaged {self.on_damaged} is not supported", "use skip or raise")
-        if self.optimizer not in ("muon", "adamw"):
-            raise InputError(f"--optimizer {self.optimizer} is not supported", "use muon or adamw")
-        if self.scheduler_type not in ("cosine", "linear", "none"):
-            raise InputError(f"--scheduler-type {self.scheduler_type} is not supported",
-                             "use cosine, linear or none")
+        from speculators.losses.utils import resolve_loss_config
+
         try:
-            json.loads(self.loss_fn) if self.loss_fn.strip().startswith("{") else None
-        except json.JSONDecodeError:
-            raise InputError(f"--loss-fn {self.loss_fn!r} is not valid JSON", 'e.g. \'{"ce":0.1,"tv":0.9}\'') from None
+            resolve_loss_config(self.loss_fn, "eager")
+        except ValueError as e:
+            raise InputError(f"--loss-fn {self.loss_fn!r}: {e}", 'e.g. --loss-fn \'{"ce": 0.1, "tv": 0.9}\'') from None
         return self
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+    def from_dict(cls, d: dict, where: str = "the run's config") -> TrainConfig:
+        return build(cls, d, where)
 
     @classmethod
     def load(cls, run: Path) -> TrainConfig:
@@ -99,7 +104,7 @@ class TrainConfig:
         if not path.exists():
             raise InputError(f"{run} is not a dspark run folder (no config.json)",
                              "pass the --save-path of a `dspark train` run")
-        return cls.from_dict(json.loads(path.read_text())["train"])
+        return cls.from_dict(json.loads(path.read_text())["train"], f"{path} (train)")
 
     def differences(self, other: TrainConfig) -> list[str]:
         a, b = self.to_dict(), other.to_dict()

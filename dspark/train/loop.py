@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dspark.connector.base import SOURCES, Source
-from dspark.connector.manifest import manifest_for_model
+from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
@@ -75,15 +75,11 @@ def seed_everything(seed: int) -> None:
 def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
     """The training data source named by --from: a Zarr store, or the live tiered source."""
     import dspark.connector  # noqa: F401  (registers every source)
-    from dspark.connector.live import LiveConfig
-    from dspark.connector.mooncake import MooncakeConfig
 
     SOURCES.parse(cfg.source)
-    live = dict(cfg.live)
-    live["mooncake"] = MooncakeConfig(**live.get("mooncake", {}))
     manifest = manifest_for_model(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared.fingerprint,
                                   trust_remote_code=cfg.trust_remote_code) if cfg.source != "zarr" else None
-    return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=LiveConfig(**live))
+    return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=cfg.live)
 
 
 def check_store(source, cfg: TrainConfig) -> None:
@@ -128,6 +124,8 @@ class Trainer:
         self.progress = progress and self.dist.main
         seed_everything(cfg.seed)
         self.prepared = PreparedData(cfg.data_path)
+        if cfg.store is None:  # resolved here, so the run's record names the folder it used
+            cfg.store = default_store(cfg.verifier_name_or_path, cfg.target_layer_ids, self.prepared.fingerprint)
         self.source = open_source(cfg, self.prepared)
         check_store(self.source, cfg)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,

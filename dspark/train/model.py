@@ -23,7 +23,11 @@ def loss_impl(device: torch.device) -> str:
 
 def vocab_mappings(cfg: TrainConfig, prepared: PreparedData, verifier_vocab: int):
     """t2d/d2t for a reduced draft vocabulary, from prepare's token frequencies."""
-    if cfg.draft_vocab_size is None or cfg.draft_vocab_size >= verifier_vocab:
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > verifier_vocab:
+        raise InputError(f"--draft-vocab-size {cfg.draft_vocab_size} is larger than the verifier's vocabulary "
+                         f"({verifier_vocab} tokens)", f"use a size below {verifier_vocab}, or drop the flag for the "
+                         "full vocabulary")
+    if cfg.draft_vocab_size is None or cfg.draft_vocab_size == verifier_vocab:
         return None, None, verifier_vocab
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 

@@ -1,0 +1,143 @@
+"""Every setting has one definition (TrainConfig and its nested configs): the CLI, --config files,
+run records and the seed's own command lines all go through it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import LAYERS, run_cli
+from dspark.config import load_config_file
+from dspark.connector.manifest import default_store
+from dspark.errors import InputError
+from dspark.prepare import PreparedData
+from dspark.train.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+REQUIRED = ["--data-path", "p", "--verifier-name-or-path", "v", "--save-path", "s", "--target-layer-ids", "1", "3"]
+
+# The seed's command lines, verbatim but for the model and the paths.
+SEED_PREPARE = ["--model", "{model}", "--trust-remote-code", "--data", "{chat}", "--output", "{prepared}",
+                "--seq-length", "512", "--num-preprocessing-workers", "2", "--minimum-valid-tokens", "16"]
+SEED_TRAIN = ["--verifier-name-or-path", "{model}", "--trust-remote-code", "--data-path", "{prepared}",
+              "--save-path", "{run}", "--hidden-states-backend", "mooncake",
+              "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata-server", "P2PHANDSHAKE",
+              "--mooncake-protocol", "tcp", "--mooncake-global-segment-gib", "1", "--mooncake-local-buffer-gib", "4",
+              "--vllm-endpoint", "http://10.0.0.4:8000/v1", "--on-missing", "generate", "--on-generate", "delete",
+              "--request-timeout", "120", "--max-retries", "3", "--generation-validation-retries", "2",
+              "--max-consecutive-generation-failures", "8", "--draft-vocab-size", "32000", "--epochs", "2",
+              "--checkpoint-freq", "0.5", "--total-seq-len", "8192", "--train-data-ratio", "0.9",
+              "--speculator-type", "dspark", "--target-layer-ids", "24", "48", "72", "88", "92", "--block-size", "8",
+              "--max-anchors", "512", "--dflash-decay-gamma", "4.0", "--markov-rank", "256",
+              "--markov-head-type", "vanilla", "--enable-confidence-head", "--confidence-head-with-markov",
+              "--confidence-head-alpha", "1.0", "--loss-fn", '{"ce":0.1,"tv":0.9}', "--optimizer", "muon",
+              "--lr", "1e-3", "--scheduler-type", "cosine", "--scheduler-warmup-ratio", "0.03", "--num-workers", "8",
+              "--prefetch-factor", "4", "--log-freq", "10"]
+
+
+def script(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd)
+
+
+def fill(argv: list[str], **paths) -> list[str]:
+    return [str(paths[a[1:-1]]) if a[:1] == "{" and a[1:-1] in paths else a for a in argv]
+
+
+def test_the_seeds_command_lines_run_verbatim(verifier, chat_file, tmp_path):
+    prepared = tmp_path / "prepared"
+    proc = script("prepare_data.py", *fill(SEED_PREPARE, model=verifier, chat=chat_file, prepared=prepared))
+    assert proc.returncode == 0, proc.stderr
+    assert len(PreparedData(prepared)) > 0
+
+    proc = script("train.py", *fill(SEED_TRAIN, model=verifier, prepared=prepared, run=tmp_path / "run"),
+                  "--print-config")
+    assert proc.returncode == 0, proc.stderr
+    cfg = TrainConfig.from_dict(json.loads(proc.stdout))
+    assert (cfg.source, cfg.target_layer_ids, cfg.store) == ("mooncake", [24, 48, 72, 88, 92], None)
+    assert (cfg.live.endpoint, cfg.live.on_generate, cfg.live.request_timeout) == ("http://10.0.0.4:8000/v1",
+                                                                                  "delete", 120.0)
+    assert (cfg.live.mooncake.master, cfg.live.mooncake.local_buffer_gib) == ("10.0.0.5:50051", 4.0)
+    assert (cfg.draft_vocab_size, cfg.total_seq_len, cfg.num_workers, cfg.trust_remote_code) == (32000, 8192, 8, True)
+
+
+def test_extract_and_train_meet_in_the_default_store(verifier, prepared, tmp_path):
+    """Neither command is told where the store is: both name it from the verifier, layers and data."""
+    layers = [str(x) for x in LAYERS]
+    run_cli("extract", "--model", verifier, "--data", prepared, "--target-layer-ids", *layers, "--no-progress",
+            cwd=tmp_path)
+    out = run_cli("train", "--config", ROOT / "scripts/configs/demo.yaml", "--data-path", prepared,
+                  "--verifier-name-or-path", verifier, "--save-path", "run", "--max-steps", "2",
+                  "--total-seq-len", "512", "--no-progress", cwd=tmp_path)
+    store = default_store(verifier, LAYERS, PreparedData(prepared).fingerprint)
+    assert store.startswith("cache/stores/tiny-L1-3-5-")
+    assert json.loads((tmp_path / "run/config.json").read_text())["train"]["store"] == store
+    assert json.loads(out.stdout)["steps"] == 2
+
+
+def test_a_config_file_sets_defaults_that_flags_override(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 0.005\nepochs: 3\ntarget_layer_ids: [2, 4]\nlive:\n  mooncake:\n    master: h:1\n")
+    out = run_cli("train", "--config", path, *REQUIRED[:6], "--lr", "0.01", "--print-config")
+    cfg = TrainConfig.from_dict(json.loads(out.stdout))
+    assert (cfg.lr, cfg.epochs, cfg.target_layer_ids, cfg.live.mooncake.master) == (0.01, 3, [2, 4], "h:1")
+
+    as_json = tmp_path / "c.json"
+    as_json.write_text(out.stdout)  # what --print-config prints is a config file
+    again = run_cli("train", "--config", as_json, "--print-config")
+    assert json.loads(again.stdout) == json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("lrr: 1\n", "unknown setting 'lrr' in {path} (fix: did you mean 'lr'?)"),
+    ("live:\n  mooncake:\n    mastr: x\n", "unknown setting 'live.mooncake.mastr' in {path} (fix: did you mean 'master'?)"),
+    ("live: 3\n", "live in {path} must be a mapping"),
+    ("lr: [1\n", "config file {path} is not valid YAML (line 2)"),
+    ("- 1\n", "config file {path} must hold a mapping of settings"),
+])
+def test_a_bad_config_file_is_one_line(tmp_path, text, error):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    proc = run_cli("train", "--config", path, *REQUIRED, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: " + error.format(path=path)), proc.stderr
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--block-size", "0"], "error: --block-size 0 must be >= 1"),
+    (["--lr", "-1"], "error: --lr -1.0 must be > 0"),
+    (["--loss-fn", "notjson"], "error: --loss-fn 'notjson': Unknown loss function 'notjson'"),
+    (["--loss-fn", '{"xx":1}'], "error: --loss-fn '{\"xx\":1}': Unknown loss function 'xx'"),
+    (["--max-steps", "0"], "error: --max-steps 0 must be >= 1"),
+    (["--request-timeout", "0"], "error: --request-timeout 0.0 must be > 0"),
+])
+def test_impossible_training_settings_are_one_line(flags, error):
+    proc = run_cli("train", *REQUIRED, *flags, "--print-config", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith(error), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_batch_tokens_zero_is_refused(verifier, prepared):
+    proc = run_cli("extract", "--model", verifier, "--data", prepared, "--target-layer-ids", "1",
+                   "--batch-tokens", "0", check=False)
+    assert proc.returncode == 2 and "Invalid value for '--batch-tokens': 0 is not in the range x>=1" in proc.stderr
+
+
+def test_a_draft_vocabulary_larger_than_the_verifiers_is_refused(store, prepared, verifier, tmp_path):
+    proc = run_cli("train", "--store", store, "--data-path", prepared, "--verifier-name-or-path", verifier,
+                   "--save-path", tmp_path / "run", "--target-layer-ids", *map(str, LAYERS), "--total-seq-len", "512",
+                   "--draft-vocab-size", "1000000", "--no-progress", check=False)
+    assert proc.returncode == 2
+    assert "error: --draft-vocab-size 1000000 is larger than the verifier's vocabulary" in proc.stderr
+
+
+def test_run_records_and_files_refuse_unknown_keys(tmp_path):
+    base = {"data_path": "p", "verifier_name_or_path": "v", "save_path": "s", "target_layer_ids": [1]}
+    with pytest.raises(InputError, match=r"unknown setting 'endpont' in rec.live \(fix: did you mean 'endpoint'"):
+        TrainConfig.from_dict({**base, "live": {"endpont": "x"}}, "rec")
+    old_style = TrainConfig.from_dict({**base, "live": {"endpoint": "http://x", "mooncake": {"master": "m:1"}}})
+    assert (old_style.live.endpoint, old_style.live.mooncake.master) == ("http://x", "m:1")
+    (tmp_path / "c.json").write_text(json.dumps({"data_path": "p", "epochs": 2}))
+    assert load_config_file(tmp_path / "c.json", TrainConfig) == {"data_path": "p", "epochs": 2}
