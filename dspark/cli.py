@@ -199,7 +199,7 @@ def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, t
 
     if "zarr" in to and (data is None or store is None):
         raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
-                         "pass both, or use --hidden-states-backend mooncake")
+                         "pass both, or use --to mooncake")
     limits = ServeLimits(**{f.name: kw.pop(f.name) for f in fields(ServeLimits)})
     engine = TransformersEngine(model, target_layer_ids, device, dtype, trust_remote_code)
     mooncake = _pop_config(kw, "mooncake", MooncakeConfig)
@@ -335,9 +335,9 @@ def store_verify(path, data, no_progress):
 @click.option("--data", required=True, help="The prepared folder the store was extracted from.")
 @click.option("--model", required=True, help="The verifier folder the store was extracted with.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--batch-tokens", type=int, default=8192, show_default=True,
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
               help="As the store's extraction used: the same batches give byte-identical states.")
-@click.option("--max-batch-size", type=int, default=64, show_default=True)
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--no-progress", is_flag=True)
 def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code, no_progress):
