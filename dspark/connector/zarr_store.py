@@ -94,11 +94,19 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
     return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
 
 
+def _chunk_path(segment: Path, name: str, c: int, ndim: int) -> Path:
+    """The file of chunk `c` of array `name` (zarr v3 default keys: one chunk across every other dim)."""
+    return segment.joinpath(name, "c", str(c), *("0",) * (ndim - 1))
+
+
 def _chunk_problem(path: Path) -> str | None:
     """None if the chunk file exists and is as long as its Blosc header says, else what is wrong.
 
-    Reads 16 bytes, decodes nothing: cheap enough for every resume. A flipped byte
-    inside a chunk needs the full read of `ZarrStore.damaged`.
+    Reads 16 bytes, decodes nothing: cheap enough for every resume and every chunk
+    read. It must run before Blosc sees a chunk: Blosc 1 trusts the length in the
+    header, so a truncated chunk decodes past the end of its buffer (garbage, or a
+    segfault) instead of failing. A flipped byte inside a chunk needs the full read
+    of `ZarrStore.damaged`.
     """
     try:
         with open(path, "rb") as f:
@@ -108,6 +116,10 @@ def _chunk_problem(path: Path) -> str | None:
     # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
     want = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
     return None if want == size else f"is truncated ({size} of {want or '?'} bytes)"
+
+
+class _ChunkDamaged(Exception):
+    """A chunk file that is missing or shorter than its header says (never handed to Blosc)."""
 
 
 @dataclass
@@ -147,7 +159,11 @@ class _Segment:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        block = self.arrays[name].get_block_selection((c,) + (0,) * (self.arrays[name].ndim - 1))
+        array = self.arrays[name]
+        problem = _chunk_problem(_chunk_path(self.path, name, c, array.ndim))
+        if problem is not None:
+            raise _ChunkDamaged(f"chunk {c} of {name} in segment {self.path.name} {problem}")
+        block = array.get_block_selection((c,) + (0,) * (array.ndim - 1))
         with self._lock:
             self._cache[key] = block
             while len(self._cache) > self.CACHE_CHUNKS * len(self.arrays):
@@ -255,7 +271,10 @@ class ZarrStore(Source):
         for e in records:
             try:
                 tokens, payload, scales = self._read_entry(e)
-            except Exception as exc:  # a missing/undecodable chunk is damage, whatever zarr raises
+            except _ChunkDamaged as exc:
+                problems.append(str(exc))
+                continue
+            except Exception as exc:  # an undecodable chunk is damage, whatever zarr raises
                 problems.append(f"unreadable: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             if check and sample_crc(tokens, payload, scales) != e.crc:
@@ -302,17 +321,15 @@ class ZarrStore(Source):
         can afford it. A flipped byte inside a chunk is found only by `damaged()`.
         """
         v, ok, out = self._view, {}, {}
-        arrays = {"hidden": 2, "token_ids": 0, **({"scales": 1} if self._fp8 else {})}  # name: trailing chunk dims
+        arrays = {"hidden": 3, "token_ids": 1, **({"scales": 2} if self._fp8 else {})}  # name: ndim
         C = self.manifest.chunk_tokens
         for sid in sorted(v.first):
             problem = None
             for e in v.records(sid):
                 problem = None
                 for c in range(e.start // C, (e.start + e.length - 1) // C + 1):
-                    for name, extra in arrays.items():
-                        path = self.root / "segments" / e.segment / name / "c" / str(c)
-                        for _ in range(extra):
-                            path = path / "0"
+                    for name, ndim in arrays.items():
+                        path = _chunk_path(self.root / "segments" / e.segment, name, c, ndim)
                         if path not in ok:
                             why = _chunk_problem(path)
                             ok[path] = why and f"chunk {c} of {name} in segment {e.segment} {why}"
