@@ -23,9 +23,10 @@ Damage (a flipped byte, a lost or truncated chunk file, a damaged index record):
 - Index records are fixed-size and each carries its own CRC: a damaged record is
   skipped and counted (`damaged_records`), and every record after it still reads.
 - Every sample carries a CRC32 of its stored bytes; `read` checks it by default
-  (about a tenth of the decode time, see README). A missing chunk reads back as
-  zeros (zarr's fill value) and fails the checksum; an undecodable one fails to
-  decode; either way the reader gets `DamagedSample`, never wrong numbers.
+  (about a tenth of the decode time, see README). A missing or truncated chunk
+  file is caught by its length before it is decoded; a garbled one fails the
+  checksum or the decode; either way the reader gets `DamagedSample`, never
+  wrong numbers.
 - Repair appends a fresh copy of a damaged sample to a new segment and leaves the
   damaged one where it is. An id with several records (a repair, or concurrent
   writers that both wrote it) reads from the first record that reads back valid,
