@@ -9,7 +9,6 @@ asserts nothing.
 """
 
 import argparse
-import socket
 import statistics
 import subprocess
 import time
@@ -21,12 +20,7 @@ from dspark.connector.base import Sample
 
 from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink, master_binary
 from dspark.connector.zarr_store import ZarrStore
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dspark.net import free_port
 
 
 def bench_dspark(samples, manifest, master):

@@ -8,7 +8,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: fail fast ins
 os.environ.setdefault("LOGURU_LEVEL", "ERROR")
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ import pytest
 from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
 
 LAYERS = [1, 3, 5]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:

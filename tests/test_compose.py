@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import free_port
+from dspark.net import free_port
 
 STEP = Path(__file__).resolve().parents[1] / "docker" / "bin" / "dspark-compose"
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, wait_for
+from conftest import wait_for
 from dspark.extract import launch
+from dspark.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["24", "48", "72", "88", "92"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAYERS, fit, free_port, run_cli, train_cfg, wait_for
+from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
 from dspark.connector.base import SOURCES, Sample
 from dspark.connector.live import LiveConfig
 from dspark.connector.manifest import StoreManifest, manifest_for_model
@@ -22,6 +22,7 @@ from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFu
                                        MooncakeUnavailable, connect, master_binary, object_key, pack,
                                        sample_key)
 from dspark.connector.zarr_store import ZarrStore
+from dspark.net import free_port
 from dspark.prepare import PreparedData
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
