@@ -95,13 +95,8 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
     return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
 
 
-def _chunk_path(segment: Path, name: str, c: int, ndim: int) -> Path:
-    """The file of chunk `c` of array `name` (zarr v3 default keys: one chunk across every other dim)."""
-    return segment.joinpath(name, "c", str(c), *("0",) * (ndim - 1))
-
-
-def _chunk_problem(path: Path) -> str | None:
-    """None if the chunk file exists and is as long as its Blosc header says, else what is wrong.
+def _chunk_problem(segment: Path, name: str, c: int, ndim: int) -> str | None:
+    """None if chunk `c` of array `name` exists and is as long as its Blosc header says, else what is wrong.
 
     Reads 16 bytes, decodes nothing: cheap enough for every resume and every chunk
     read. It must run before Blosc sees a chunk: Blosc 1 trusts the length in the
@@ -109,14 +104,16 @@ def _chunk_problem(path: Path) -> str | None:
     segfault) instead of failing. A flipped byte inside a chunk needs the full read
     of `ZarrStore.damaged`.
     """
+    path = segment.joinpath(name, "c", str(c), *("0",) * (ndim - 1))  # zarr v3 default chunk keys
+    where = f"chunk {c} of {name} in segment {segment.name}"
     try:
         with open(path, "rb") as f:
             head, size = f.read(16), os.fstat(f.fileno()).st_size
     except FileNotFoundError:
-        return "is missing"
+        return f"{where} is missing"
     # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
     want = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
-    return None if want == size else f"is truncated ({size} of {want or '?'} bytes)"
+    return None if want == size else f"{where} is truncated ({size} of {want or '?'} bytes)"
 
 
 class _ChunkDamaged(Exception):
@@ -161,9 +158,9 @@ class _Segment:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         array = self.arrays[name]
-        problem = _chunk_problem(_chunk_path(self.path, name, c, array.ndim))
+        problem = _chunk_problem(self.path, name, c, array.ndim)
         if problem is not None:
-            raise _ChunkDamaged(f"chunk {c} of {name} in segment {self.path.name} {problem}")
+            raise _ChunkDamaged(problem)
         block = array.get_block_selection((c,) + (0,) * (array.ndim - 1))
         with self._lock:
             self._cache[key] = block
@@ -330,11 +327,10 @@ class ZarrStore(Source):
                 problem = None
                 for c in range(e.start // C, (e.start + e.length - 1) // C + 1):
                     for name, ndim in arrays.items():
-                        path = _chunk_path(self.root / "segments" / e.segment, name, c, ndim)
-                        if path not in ok:
-                            why = _chunk_problem(path)
-                            ok[path] = why and f"chunk {c} of {name} in segment {e.segment} {why}"
-                        problem = problem or ok[path]
+                        key = (e.segment, name, c)
+                        if key not in ok:
+                            ok[key] = _chunk_problem(self.root / "segments" / e.segment, name, c, ndim)
+                        problem = problem or ok[key]
                 if problem is None:
                     break
             if problem is not None:
