@@ -41,7 +41,12 @@ class TrainConfig:
     total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
     train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
     speculator_type: Literal["dspark"] = setting("dspark")
-    block_size: int = setting(8, "Tokens drafted per block.", ge=1)
+    block_size: int = setting(8, "Tokens per block: slots the drafter fills (drafts: block_size with "
+                                 "--sample-from-anchor, block_size - 1 without).", ge=1)
+    sample_from_anchor: bool = setting(
+        True, "Slot k of a block anchored at p predicts token p+k+1 (DSpark's layout, block_size drafts; "
+              "served by vLLM's `method: dspark`). --no-sample-from-anchor: slot 0 is the anchor, untrained, and "
+              "slot k predicts p+k (DFlash's layout, block_size - 1 drafts; what vLLM's V1 `method: dflash` serves).")
     max_anchors: int = setting(512, "Blocks sampled per batch.", ge=1)
     dflash_decay_gamma: float = setting(4.0, "Loss decay over block positions.", gt=0)
     markov_rank: int = setting(256, "0 disables the Markov head.", ge=0)
@@ -71,6 +76,9 @@ class TrainConfig:
         if self.total_seq_len < 2 * self.block_size:
             raise InputError(f"--total-seq-len {self.total_seq_len} is shorter than two blocks of "
                              f"--block-size {self.block_size}", f"use --total-seq-len >= {2 * self.block_size}")
+        if not self.sample_from_anchor and self.block_size < 2:
+            raise InputError(f"--no-sample-from-anchor with --block-size {self.block_size} drafts no token "
+                             "(slot 0 is the anchor)", "use --block-size >= 2")
         if not 0 < self.train_data_ratio < 1:
             raise InputError(f"--train-data-ratio {self.train_data_ratio} must be in (0, 1)",
                              "e.g. 0.9 keeps 10% for validation")

@@ -60,6 +60,7 @@ def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
     model = DSparkDraftModel.from_training_args(
         verifier_config=layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
         target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, block_size=cfg.block_size,
+        sample_from_anchor=cfg.sample_from_anchor,  # False: DFlash's layout, what vLLM's `method: dflash` serves
         mask_token_id=mask_token_id, draft_attn_impl=attn_impl(device), markov_rank=cfg.markov_rank,
         markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
