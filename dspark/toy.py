@@ -36,6 +36,7 @@ class ToySpec:
     seq_len: int = 128
     lr: float = 3e-3
     seed: int = 0
+    max_position_embeddings: int = 4096  # raise it for long-context (LongBench-style) decode runs
 
 
 def demo_chat_path() -> Path:
@@ -94,7 +95,7 @@ def build_toy_verifier(output: Path, spec: ToySpec = ToySpec(), data: Path | Non
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.hidden_size // spec.num_heads,
-        max_position_embeddings=4096,
+        max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,1 @@
+"""Speculative decoding with a trained drafter: prompt sets, the decode loop and its report."""

@@ -1,0 +1,160 @@
+"""A LongBench-format JSONL built from local text: the long-context decode path without downloads.
+
+Two sub-domains, like LongBench's:
+- `passage_retrieval`: numbered paragraphs of the source text, one holding a planted key
+  sentence ("The secret number of the old bridge is 4821."); the question asks for it.
+- `continuation`: a contiguous run of the source text; the question asks for what comes next.
+
+Each record's prompt, rendered as `dspark.decode.prompts` renders LongBench (chat template,
+generation prompt), is at most its target length in tokens and close to it, so a target of
+4096 lands in the "2K-4K" bucket and fits a 4096-position verifier with no room for new
+tokens. `length` is the context's word count, as LongBench writes it.
+
+    python -m dspark.decode.longbench --output lb.jsonl --model cache/models/tiny --lengths 2048 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+from dspark.decode.prompts import longbench_prompt, render_prompt
+from dspark.errors import DsparkError, InputError
+
+THINGS = ["old bridge", "blue door", "silver key", "north tower", "red lantern", "quiet garden", "stone well"]
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+# A record's parts from its first n units: (context, input, answers).
+Build = Callable[[int], tuple[str, str, list[str]]]
+
+
+def generate(texts: list[str], tokenizer, output: Path, lengths: list[int], per_length: int, seed: int) -> dict:
+    """Write `per_length` records per target length and sub-domain to `output`; returns a summary."""
+    sentences = [s if s[-1] in ".!?" else s + "." for t in texts for s in map(str.strip, _SENTENCE_END.split(t)) if s]
+    if not sentences:
+        raise InputError("the source texts hold no sentences", "pass --text files with some prose")
+    if per_length < 1 or not lengths or min(lengths) < 1:
+        raise InputError(f"--lengths {lengths} --per-length {per_length} asks for no record",
+                         "pass positive target lengths and a positive --per-length")
+    costs = [len(ids) for ids in tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]]
+    rng = random.Random(seed)
+    records, tokens = [], {}
+    for target in lengths:
+        for dataset, make in (("passage_retrieval", _retrieval), ("continuation", _continuation)):
+            for j in range(per_length):
+                (context, question, answers), n_tokens = _fit(tokenizer, target, *make(sentences, costs, target, rng))
+                records.append({"_id": f"{dataset}-{target}-{j}", "dataset": dataset, "language": "en",
+                                "length": len(context.split()), "context": context, "input": question,
+                                "answers": answers, "all_classes": None})
+                tokens.setdefault(target, []).append(n_tokens)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    os.replace(tmp, output)
+    return {"output": str(output), "records": len(records),
+            "datasets": dict(Counter(r["dataset"] for r in records)),
+            "prompt_tokens": {str(t): [min(v), max(v)] for t, v in tokens.items()}}
+
+
+def _continuation(sentences: list[str], costs: list[int], target: int, rng: random.Random):
+    start = rng.randrange(len(sentences))
+    order, total = [], 0
+    while total < target or not order:  # enough units to fill the target, wrapping around the text
+        i = (start + len(order)) % len(sentences)
+        order.append(i)
+        total += costs[i]
+
+    def build(n: int):
+        return (" ".join(sentences[i] for i in order[:n]), "Continue the text above with its next sentence.",
+                [sentences[(order[n - 1] + 1) % len(sentences)]])
+    return build, [costs[i] for i in order]
+
+
+def _retrieval(sentences: list[str], costs: list[int], target: int, rng: random.Random):
+    thing, number = rng.choice(THINGS), rng.randrange(1000, 10000)
+    key = f"The secret number of the {thing} is {number}."
+    where, inside = rng.random(), rng.random()  # fractions: the key stays planted as paragraphs are trimmed
+    paragraphs, unit_costs = [], []
+    while sum(unit_costs) < target or not paragraphs:
+        start = rng.randrange(len(sentences))
+        picked = [(start + k) % len(sentences) for k in range(4)]
+        paragraphs.append([sentences[i] for i in picked])
+        unit_costs.append(sum(costs[i] for i in picked) + 6)  # + "Paragraph N: " and the blank line
+
+    def build(n: int):
+        k = min(int(where * n), n - 1)
+        paras = [list(p) for p in paragraphs[:n]]
+        paras[k].insert(int(inside * (len(paras[k]) + 1)), key)
+        context = "\n\n".join(f"Paragraph {i}: {' '.join(p)}" for i, p in enumerate(paras, 1))
+        return context, f"What is the secret number of the {thing}, and which paragraph says it?", \
+            [str(number), f"Paragraph {k + 1}"]
+    return build, unit_costs
+
+
+def _fit(tokenizer, target: int, build: Build, unit_costs: list[int]) -> tuple[tuple[str, str, list[str]], int]:
+    """The most units whose rendered prompt is at most `target` tokens (at least one), and its length."""
+    n, total = 0, 0
+    while n < len(unit_costs) and total + unit_costs[n] <= target:
+        total += unit_costs[n]
+        n += 1
+    n = max(n, 1)
+    while True:
+        parts = build(n)
+        length = len(render_prompt(tokenizer, [{"role": "user", "content": longbench_prompt(*parts[:2])}]))
+        if length <= target or n == 1:
+            return parts, length
+        over, cut = length - target, 0
+        while n > 1 and cut < over:  # drop as many trailing units as the overshoot needs
+            n -= 1
+            cut += unit_costs[n]
+
+
+def _texts(path: Path) -> list[str]:
+    """A text file's contents, or every turn of a chat JSONL/JSON file (read as `dspark prepare` reads it)."""
+    if not path.is_file():
+        raise InputError(f"--text {path} does not exist", "pass existing text or chat JSONL files")
+    if path.suffix in (".jsonl", ".json"):
+        from dspark.prepare import read_conversations
+
+        return [m["content"] for conv in read_conversations(path).conversations for m in conv]
+    try:
+        return [path.read_text(encoding="utf-8")]
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read --text {path} ({e})", "pass UTF-8 text files") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dspark.prepare import load_tokenizer
+    from dspark.toy import demo_chat_path
+
+    p = argparse.ArgumentParser(prog="python -m dspark.decode.longbench", description=__doc__.split("\n")[0])
+    p.add_argument("--output", type=Path, required=True, help="LongBench JSONL to write")
+    p.add_argument("--model", required=True, help="verifier (or tokenizer) folder with a chat template")
+    p.add_argument("--text", type=Path, nargs="+", default=None,
+                   help="source text files; .jsonl/.json are read as chat data (default: the shipped demo chat)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="target prompt lengths in tokens")
+    p.add_argument("--per-length", type=int, default=2, help="records per target length and sub-domain")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        texts = [t for path in (args.text or [demo_chat_path()]) for t in _texts(path)]
+        s = generate(texts, load_tokenizer(args.model), args.output, args.lengths, args.per_length, args.seed)
+    except DsparkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    spans = ", ".join(f"{lo}-{hi} (target {t})" for t, (lo, hi) in s["prompt_tokens"].items())
+    datasets = ", ".join(f"{d} {n}" for d, n in s["datasets"].items())
+    print(f"wrote {s['records']} LongBench records to {s['output']}: {datasets}; prompt tokens {spans}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

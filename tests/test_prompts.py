@@ -1,0 +1,159 @@
+"""Prompt sets for `dspark eval --decode`: formats, drops, length limits and the LongBench generator."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import write_jsonl
+from dspark.decode import longbench
+from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set, parse_spec
+from dspark.errors import InputError
+from dspark.prepare import PrepareConfig, load_tokenizer, prepare
+from dspark.toy import build_tokenizer, demo_chat_path
+
+SYSTEM, USER = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"}
+REPLY = {"role": "assistant", "content": "2 plus 2 is 4."}
+CONV = [SYSTEM, USER, REPLY, {"role": "user", "content": "Spell cat."}, {"role": "assistant", "content": "c-a-t."}]
+PROMPT_TEXT = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
+               "<|im_start|>assistant\n")
+TOO_LONG = "longer than the verifier's maximum length (4096) minus 96 new tokens"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    """A real byte-level BPE tokenizer with the toy ChatML template, saved as a model folder would be."""
+    texts = [m["content"] for line in demo_chat_path().read_text().splitlines()[:100]
+             for m in json.loads(line)["messages"]]
+    out = tmp_path_factory.mktemp("tok") / "tiny"
+    build_tokenizer(texts, 512).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return load_tokenizer(tok_dir)
+
+
+def sharegpt(conv):
+    return {"conversations": [{"from": {"system": "system", "user": "human", "assistant": "gpt"}[m["role"]],
+                               "value": m["content"]} for m in conv]}
+
+
+def test_chat_formats_prompt_is_the_conversation_before_its_first_reply(tok, tmp_path):
+    records = [{"messages": CONV}, {"messages": [REPLY, USER, REPLY]}, {"messages": [USER]},
+               {"messages": [{"role": "narrator", "content": "x"}, REPLY]}, {"messages": CONV}]
+    openai = load_prompt_set(str(write_jsonl(tmp_path / "chat.jsonl", records)), tok)
+    assert openai.name == "chat" and not openai.longbench
+    assert [tok.decode(p.ids) for p in openai.prompts] == [PROMPT_TEXT] * 2
+    assert all(p.subdomain is None and p.length == len(p.ids) for p in openai.prompts)
+    assert openai.dropped == {"no_user_turn": 1, "no_assistant_turn": 1, "unknown_role:narrator": 1}
+    share = load_prompt_set(f"sg={write_jsonl(tmp_path / 'sg.jsonl', [sharegpt(CONV)])}", tok)
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps([{"messages": CONV}]))
+    assert share.name == "sg" and share.prompts == load_prompt_set(str(array), tok).prompts == openai.prompts[:1]
+    assert load_prompt_set(str(tmp_path / "chat.jsonl"), tok, max_prompts=1).prompts == openai.prompts[:1]
+
+
+def test_prepared_folder_prompt_is_the_tokens_before_the_first_supervised_token(tok, tok_dir, tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV}, {"messages": [USER, REPLY]}])
+    prepare(PrepareConfig(str(tok_dir), str(src), str(tmp_path / "prep"), seq_length=256), progress=False)
+    prepared = load_prompt_set(f"held-out={tmp_path / 'prep'}", tok)
+    assert prepared.name == "held-out" and prepared.prompts == load_prompt_set(str(src), tok).prompts
+    assert tok.decode(prepared.prompts[0].ids) == PROMPT_TEXT
+    other = tmp_path / "other"
+    build_tokenizer(["a completely different corpus."] * 20, 300).save_pretrained(other)
+    with pytest.raises(InputError, match="prepared with another tokenizer"):
+        load_prompt_set(str(tmp_path / "prep"), load_tokenizer(other))
+
+
+def lb_record(context, question="Who?", dataset="qa"):
+    return {"_id": "x", "context": context, "input": question, "dataset": dataset,
+            "length": len(context.split()), "answers": ["y"], "all_classes": None, "language": "en"}
+
+
+def test_longbench_prompts_and_those_beyond_the_verifiers_length_are_reported(tok, tmp_path):
+    long_context = "The horse is a fast animal. " * 1000  # ~6K tokens
+    path = write_jsonl(tmp_path / "lb.jsonl", [lb_record("The cow moos."), lb_record(long_context, dataset="sum"),
+                                                lb_record("The duck quacks.", question="", dataset="sum")])
+    s = load_prompt_set(str(path), tok, max_length=4096, max_new_tokens=96)
+    assert s.longbench and s.limit == 4000 and [p.subdomain for p in s.prompts] == ["qa", "sum"]
+    text = [tok.decode(p.ids) for p in s.prompts]
+    assert text[0] == "<|im_start|>user\nThe cow moos.\n\nQuestion: Who?<|im_end|>\n<|im_start|>assistant\n"
+    assert text[1] == "<|im_start|>user\nThe duck quacks.<|im_end|>\n<|im_start|>assistant\n"  # no question
+    assert s.dropped == {TOO_LONG: 1} and s.too_long == {("sum", "4K-8K"): 1}
+    assert s.summary()["too_long"] == {"sum/4K-8K": 1}
+    assert len(load_prompt_set(str(path), tok).prompts) == 3  # no limit given: nothing is too long
+    # A LongBench set entirely beyond the verifier is a report, not an error; a chat set is an error.
+    only_long = load_prompt_set(str(write_jsonl(tmp_path / "l2.jsonl", [lb_record(long_context)])), tok,
+                                max_length=4096, max_new_tokens=96)
+    assert only_long.prompts == [] and only_long.too_long == {("qa", "4K-8K"): 1}
+    with pytest.raises(InputError, match="no usable prompt .*maximum length.*fix: lower --max-new-tokens"):
+        load_prompt_set(str(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])), tok, max_length=8)
+
+
+def test_generated_longbench_round_trips_with_subdomains_and_buckets(tok, tok_dir, tmp_path, capsys):
+    texts = [m["content"] for line in demo_chat_path().read_text().splitlines()[:100]
+             for m in json.loads(line)["messages"]]
+    out = tmp_path / "gen" / "lb.jsonl"
+    summary = longbench.generate(texts, tok, out, [600, 3000], per_length=2, seed=1)
+    assert summary["records"] == 8 and summary["datasets"] == {"passage_retrieval": 4, "continuation": 4}
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert all(r["length"] == len(r["context"].split()) for r in records)
+    retrieval = [r for r in records if r["dataset"] == "passage_retrieval"]
+    assert all(f"is {r['answers'][0]}." in r["context"] for r in retrieval)  # the key sentence is planted
+    s = load_prompt_set(str(out), tok, max_length=2048)
+    assert {(p.subdomain, context_bucket(p.length)) for p in s.prompts} == {
+        ("passage_retrieval", "<=2K"), ("continuation", "<=2K")}
+    assert all(540 <= p.length <= 600 for p in s.prompts)  # close to the target, never above it
+    assert s.too_long == {("passage_retrieval", "2K-4K"): 2, ("continuation", "2K-4K"): 2}
+    assert longbench.generate(texts, tok, tmp_path / "again.jsonl", [600, 3000], 2, 1) and \
+        (tmp_path / "again.jsonl").read_text() == out.read_text()  # deterministic for a seed
+    assert longbench.main(["--output", str(tmp_path / "cli.jsonl"), "--model", str(tok_dir),
+                           "--lengths", "300", "--per-length", "1"]) == 0
+    assert capsys.readouterr().out.startswith("wrote 2 LongBench records to ")
+    assert longbench.main(["--output", str(tmp_path / "x.jsonl"), "--model", str(tok_dir),
+                           "--text", str(tmp_path / "missing.txt")]) == 2
+    assert "error: --text" in capsys.readouterr().err
+
+
+def test_unreadable_sets_are_input_errors_naming_the_file(tok, tmp_path):
+    bad_chat = tmp_path / "bad.jsonl"
+    bad_chat.write_text(json.dumps({"messages": CONV}) + "\n{not json\n")
+    with pytest.raises(InputError, match=f"{bad_chat}:2: malformed JSON") as e:
+        load_prompt_set(str(bad_chat), tok)
+    assert "--skip-invalid-lines" not in str(e.value)  # prepare's flag; eval has none
+    bad_lb = write_jsonl(tmp_path / "badlb.jsonl", [lb_record("x"), {"context": 3, "input": "q"}])
+    with pytest.raises(InputError, match=f"{bad_lb}:2: not a LongBench record"):
+        load_prompt_set(str(bad_lb), tok)
+    unknown = write_jsonl(tmp_path / "odd.jsonl", [{"text": "hello"}])
+    with pytest.raises(InputError, match=f"{unknown}:1 is none of the prompt formats"):
+        load_prompt_set(str(unknown), tok)
+    for missing in (tmp_path / "nope.jsonl", tmp_path):  # a folder without prepare.json
+        with pytest.raises(InputError, match=str(missing)):
+            load_prompt_set(str(missing), tok)
+    dropped = write_jsonl(tmp_path / "noreply.jsonl", [{"messages": [USER]}])
+    with pytest.raises(InputError, match=r"no usable prompt \(no_assistant_turn: 1\)"):
+        load_prompt_set(str(dropped), tok)
+    with pytest.raises(InputError, match="--max-new-tokens 4096 leaves no room"):
+        load_prompt_set(str(bad_lb), tok, max_length=4096, max_new_tokens=4096)
+
+
+def test_specs_and_buckets(tmp_path):
+    assert parse_spec("mt=data/mt.jsonl") == ("mt", Path("data/mt.jsonl"))
+    assert parse_spec("data/mt.jsonl")[0] == "mt"
+    odd = tmp_path / "a=b.jsonl"
+    odd.write_text("")
+    assert parse_spec(str(odd)) == ("a=b", odd)  # an existing path is a path, '=' or not
+    assert LONG_BUCKETS == ["<=2K", "2K-4K", "4K-8K", "8K-16K", "16K-20K", ">20K"]
+    assert [context_bucket(n) for n in (1, 2048, 2049, 4096, 8192, 16384, 20480, 20481)] == [
+        "<=2K", "<=2K", "2K-4K", "2K-4K", "4K-8K", "8K-16K", "16K-20K", ">20K"]
+
+
+def test_toy_verifier_context_length_is_configurable(tmp_path):
+    from dspark.toy import ToySpec, build_toy_verifier
+
+    spec = ToySpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, steps=1,
+                   batch_size=2, seq_len=16, max_position_embeddings=16384)
+    build_toy_verifier(tmp_path / "v", spec)
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["max_position_embeddings"] == 16384
