@@ -64,7 +64,9 @@ def main():
 @click.option("--output", type=click.Path(path_type=Path), default=Path("cache/models/tiny"), show_default=True)
 @click.option("--steps", type=int, default=None, help="Pre-training steps (default 150).")
 @click.option("--seed", type=int, default=0, show_default=True)
-def toy_verifier(output, steps, seed):
+@click.option("--max-position-embeddings", type=click.IntRange(min=64), default=None,
+              help="Longest context (default 4096); long-context evals need more (e.g. 32768).")
+def toy_verifier(output, steps, seed, max_position_embeddings):
     """Build a tiny pre-trained Qwen3 verifier + chat tokenizer, offline."""
     from dataclasses import replace
 
@@ -73,7 +75,29 @@ def toy_verifier(output, steps, seed):
     spec = ToySpec(seed=seed)
     if steps is not None:
         spec = replace(spec, steps=steps)
+    if max_position_embeddings is not None:
+        spec = replace(spec, max_position_embeddings=max_position_embeddings)
     _echo_json(build_toy_verifier(output, spec))
+
+
+@main.command("longbench")
+@click.option("--output", required=True, type=click.Path(path_type=Path), help="The LongBench-format JSONL to write.")
+@click.option("--model", required=True, help="Verifier folder (its tokenizer sizes the contexts).")
+@click.option("--text", "texts", multiple=True, type=click.Path(path_type=Path),
+              help="Local text or chat JSONL to build contexts from (default: the shipped demo chat).")
+@click.option("--lengths", cls=IntList, default="2048 4096 8192", show_default=True,
+              help="Target prompt lengths in tokens.")
+@click.option("--per-length", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Records per length and sub-domain.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def longbench_cmd(output, model, texts, lengths, per_length, seed):
+    """Write a LongBench-format prompt file from local text, for `dspark eval --decode --prompts`."""
+    from dspark.decode.longbench import generate, read_texts
+    from dspark.prepare import load_tokenizer
+    from dspark.toy import demo_chat_path
+
+    corpus = [t for path in (texts or [demo_chat_path()]) for t in read_texts(path)]
+    _echo_json(generate(corpus, load_tokenizer(model), output, list(lengths), per_length, seed))
 
 
 @main.command()
@@ -232,7 +256,7 @@ def launch_vllm(argv):
 
 @main.command("eval")
 @click.option("--checkpoint", required=True, help="A checkpoint folder, e.g. RUN/latest.")
-@click.option("--store", required=True)
+@click.option("--store", default=None, help="The Zarr store to score on (default: the run's).")
 @click.option("--data-path", default=None, help="Prepared data (default: the run's).")
 @click.option("--verifier-name-or-path", default=None, help="Verifier folder (default: the run's).")
 @click.option("--split", type=click.Choice(["val", "all"]), default="val", show_default=True)
@@ -240,13 +264,47 @@ def launch_vllm(argv):
 @click.option("--device", default="auto", show_default=True)
 @click.option("--on-damaged", type=click.Choice(["skip", "raise"]), default="skip", show_default=True,
               help="A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
-def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged):
-    """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG)."""
+@click.option("--decode", is_flag=True, help="Also decode for real: the drafter proposes, the verifier checks, "
+              "on --prompts; per-position acceptance per set, long-context buckets, speedup (decode.json/.md/.png).")
+@click.option("--prompts", multiple=True, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, "
+              "ShareGPT, a prepared folder or LongBench JSONL (default: the run's prepared data).")
+@click.option("--max-prompts", type=click.IntRange(min=1), default=20, show_default=True, help="Per prompt set.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--draft-sample", type=click.Choice(["probabilistic", "greedy"]), default="probabilistic",
+              show_default=True, help="vLLM's draft_sample_method (temperature > 0).")
+@click.option("--rejection", type=click.Choice(["block", "standard"]), default="block", show_default=True,
+              help="vLLM's rejection_sample_method (temperature > 0).")
+@click.option("--layout", type=click.Choice(["dspark", "dflash-v1"]), default="dspark", show_default=True,
+              help="dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: as vLLM V1's "
+                   "`method: dflash` would serve this checkpoint.")
+@click.option("--num-speculative-tokens", type=click.IntRange(min=1), default=None, help="dflash-v1 only.")
+@click.option("--confidence-threshold", type=click.FloatRange(0, 1, min_open=True), default=0.5, show_default=True,
+              help="Also decode with blocks cut where the confidence head's running survival falls below this.")
+@click.option("--no-confidence", is_flag=True, help="Skip the confidence-cut decode.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--ignore-eos", is_flag=True, help="Decode the full --max-new-tokens for every prompt.")
+@click.option("--no-progress", is_flag=True)
+def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged, decode, prompts,
+             max_prompts, max_new_tokens, temperature, draft_sample, rejection, layout, num_speculative_tokens,
+             confidence_threshold, no_confidence, dtype, seed, ignore_eos, no_progress):
+    """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
     from dspark.evaluate import markdown, run_eval
 
     result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
+    if decode:
+        from dspark.decode.report import markdown as decode_markdown
+        from dspark.decode.run import DecodeConfig, run_decode
+
+        cfg = DecodeConfig(checkpoint, list(prompts), verifier_name_or_path, max_prompts, max_new_tokens, temperature,
+                           draft_sample, rejection, layout, num_speculative_tokens,
+                           None if no_confidence else confidence_threshold, dtype, seed, ignore_eos)
+        decoded, out = run_decode(cfg, teacher_forced=result, output=output, progress=not no_progress)
+        click.echo(decode_markdown(decoded))
+        click.echo(f"wrote {out}/decode.json, decode.md, decode.png")
 
 
 @main.command("export")

@@ -188,7 +188,7 @@ def plot(result: dict, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str | None, output: str | None,
+def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier: str | None, output: str | None,
              split: str, device: str = "auto", on_damaged: str = "skip") -> tuple[dict, Path]:
     """Score a checkpoint; damaged samples are skipped and named (`on_damaged="skip"`) or stop it ("raise")."""
     import sys
@@ -210,6 +210,9 @@ def run_eval(checkpoint: str, store: str, data_path: str | None, verifier: str |
     else:  # a bare checkpoint: the loop's defaults
         cfg = TrainConfig(store=store, data_path=data_path, verifier_name_or_path=verifier or "", save_path="",
                           target_layer_ids=[])
+    store = store or cfg.store  # a run records the store it trained from
+    if not store:
+        raise InputError(f"{ckpt} does not record its store", "pass --store")
     source = ZarrStore(store)
     data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
                      cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import write_jsonl
+from conftest import run_cli, write_jsonl
 from dspark.decode import longbench
 from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set, parse_spec
 from dspark.errors import InputError
@@ -92,7 +92,7 @@ def test_longbench_prompts_and_those_beyond_the_verifiers_length_are_reported(to
         load_prompt_set(str(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])), tok, max_length=8)
 
 
-def test_generated_longbench_round_trips_with_subdomains_and_buckets(tok, tok_dir, tmp_path, capsys):
+def test_generated_longbench_round_trips_with_subdomains_and_buckets(tok, tok_dir, tmp_path):
     texts = [m["content"] for line in demo_chat_path().read_text().splitlines()[:100]
              for m in json.loads(line)["messages"]]
     out = tmp_path / "gen" / "lb.jsonl"
@@ -109,12 +109,12 @@ def test_generated_longbench_round_trips_with_subdomains_and_buckets(tok, tok_di
     assert s.too_long == {("passage_retrieval", "2K-4K"): 2, ("continuation", "2K-4K"): 2}
     assert longbench.generate(texts, tok, tmp_path / "again.jsonl", [600, 3000], 2, 1) and \
         (tmp_path / "again.jsonl").read_text() == out.read_text()  # deterministic for a seed
-    assert longbench.main(["--output", str(tmp_path / "cli.jsonl"), "--model", str(tok_dir),
-                           "--lengths", "300", "--per-length", "1"]) == 0
-    assert capsys.readouterr().out.startswith("wrote 2 LongBench records to ")
-    assert longbench.main(["--output", str(tmp_path / "x.jsonl"), "--model", str(tok_dir),
-                           "--text", str(tmp_path / "missing.txt")]) == 2
-    assert "error: --text" in capsys.readouterr().err
+    proc = run_cli("longbench", "--output", tmp_path / "cli.jsonl", "--model", tok_dir, "--lengths", "300",
+                   "--per-length", "1")
+    assert json.loads(proc.stdout)["records"] == 2
+    missing = run_cli("longbench", "--output", tmp_path / "x.jsonl", "--model", tok_dir,
+                      "--text", tmp_path / "missing.txt", check=False)
+    assert missing.returncode == 2 and "error: --text" in missing.stderr
 
 
 def test_unreadable_sets_are_input_errors_naming_the_file(tok, tmp_path):

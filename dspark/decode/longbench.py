@@ -10,23 +10,21 @@ generation prompt), is at most its target length in tokens and close to it, so a
 4096 lands in the "2K-4K" bucket and fits a 4096-position verifier with no room for new
 tokens. `length` is the context's word count, as LongBench writes it.
 
-    python -m dspark.decode.longbench --output lb.jsonl --model cache/models/tiny --lengths 2048 4096
+    dspark longbench --output lb.jsonl --model cache/models/tiny --lengths 2048 4096
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import re
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Callable
 
 from dspark.decode.prompts import longbench_prompt, render_prompt
-from dspark.errors import DsparkError, InputError
+from dspark.errors import InputError
 
 THINGS = ["old bridge", "blue door", "silver key", "north tower", "red lantern", "quiet garden", "stone well"]
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
@@ -117,7 +115,7 @@ def _fit(tokenizer, target: int, build: Build, unit_costs: list[int]) -> tuple[t
             cut += unit_costs[n]
 
 
-def _texts(path: Path) -> list[str]:
+def read_texts(path: Path) -> list[str]:
     """A text file's contents, or every turn of a chat JSONL/JSON file (read as `dspark prepare` reads it)."""
     if not path.is_file():
         raise InputError(f"--text {path} does not exist", "pass existing text or chat JSONL files")
@@ -129,32 +127,3 @@ def _texts(path: Path) -> list[str]:
         return [path.read_text(encoding="utf-8")]
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read --text {path} ({e})", "pass UTF-8 text files") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dspark.prepare import load_tokenizer
-    from dspark.toy import demo_chat_path
-
-    p = argparse.ArgumentParser(prog="python -m dspark.decode.longbench", description=__doc__.split("\n")[0])
-    p.add_argument("--output", type=Path, required=True, help="LongBench JSONL to write")
-    p.add_argument("--model", required=True, help="verifier (or tokenizer) folder with a chat template")
-    p.add_argument("--text", type=Path, nargs="+", default=None,
-                   help="source text files; .jsonl/.json are read as chat data (default: the shipped demo chat)")
-    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], help="target prompt lengths in tokens")
-    p.add_argument("--per-length", type=int, default=2, help="records per target length and sub-domain")
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    try:
-        texts = [t for path in (args.text or [demo_chat_path()]) for t in _texts(path)]
-        s = generate(texts, load_tokenizer(args.model), args.output, args.lengths, args.per_length, args.seed)
-    except DsparkError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    spans = ", ".join(f"{lo}-{hi} (target {t})" for t, (lo, hi) in s["prompt_tokens"].items())
-    datasets = ", ".join(f"{d} {n}" for d, n in s["datasets"].items())
-    print(f"wrote {s['records']} LongBench records to {s['output']}: {datasets}; prompt tokens {spans}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,6 +27,21 @@ def _decoder(model):
     return inner
 
 
+def capture_layers(model, layer_ids: list[int]) -> dict[int, torch.Tensor]:
+    """Hook layer ids `layer_ids` of `model`; each forward fills the returned dict with their outputs."""
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(k: int):
+        def fn(_module, _inputs, output):
+            captured[k] = output[0] if isinstance(output, tuple) else output
+        return fn
+
+    dec = _decoder(model)
+    for k in sorted(set(layer_ids)):
+        (dec.embed_tokens if k == 0 else dec.layers[k - 1]).register_forward_hook(hook(k))
+    return captured
+
+
 @ENGINES.register("transformers")
 class TransformersEngine(Engine):
     def __init__(self, model: str | Path, target_layer_ids: list[int], device: str = "cpu",
@@ -53,16 +68,7 @@ class TransformersEngine(Engine):
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
-        self._captured: dict[int, torch.Tensor] = {}
-        dec = _decoder(self.model)
-        for k in sorted(set(self.captured_layer_ids)):
-            module = dec.embed_tokens if k == 0 else dec.layers[k - 1]
-            module.register_forward_hook(self._hook(k))
-
-    def _hook(self, k: int):
-        def fn(_module, _inputs, output):
-            self._captured[k] = output[0] if isinstance(output, tuple) else output
-        return fn
+        self._captured = capture_layers(self.model, self.captured_layer_ids)
 
     @property
     def dtype_name(self) -> str:

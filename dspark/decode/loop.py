@@ -1,0 +1,155 @@
+"""Speculative decoding, one request at a time: the drafter proposes, one verifier forward checks.
+
+Verification follows vLLM's rejection sampler (v1/worker/gpu/spec_decode/rejection_sampler_utils.py):
+- greedy (temperature 0): a draft is accepted while it equals the verifier's argmax; the first
+  mismatch is replaced by that argmax, so the output is the verifier's own greedy output;
+- `standard` (Leviathan et al.): draft i is accepted while p_i(x) > u * q_i(x); a rejected one
+  is resampled from max(p_i - q_i, 0);
+- `block` (Sun et al. 2024, vLLM's `rejection_sample_method: block`): the longest prefix whose
+  block-level test passes is accepted (a later position can pass after an earlier one failed),
+  the next token comes from max(c_tau * p_tau - q_tau, 0) with c the capped running ratio p/q.
+All three sample exactly from the verifier's distribution; they differ in how much they accept.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from dspark.decode.drafter import Drafter, DraftSample
+from dspark.decode.verifier import Verifier
+
+Rejection = Literal["block", "standard"]
+
+
+@dataclass
+class Trace:
+    """One request: its output, and per verifier step how many drafts were verified and accepted."""
+
+    tokens: list[int]
+    verified: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    seconds: float = 0.0
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits / temperature, -1)
+
+
+def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
+    return int(torch.multinomial(p, 1, generator=gen)[0])
+
+
+def _uniform(gen: torch.Generator | None) -> float:
+    return float(torch.rand((), generator=gen))
+
+
+def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, temperature: float,
+           method: Rejection = "block", gen: torch.Generator | None = None) -> tuple[int, int]:
+    """(accepted drafts, next token) for verifier `logits` [n+1, V] over the anchor and the n drafts."""
+    n = len(drafts)
+    if temperature == 0:
+        target = logits.argmax(-1)
+        hit = (drafts == target[:n]).long().cumprod(0)
+        a = int(hit.sum())
+        return a, int(target[a])
+    p = _probs(logits, temperature)
+    q = draft_probs
+    if method == "standard":
+        for i in range(n):
+            d = int(drafts[i])
+            if not p[i, d] > _uniform(gen) * q[i, d]:
+                return i, _sample(torch.clamp(p[i] - q[i], min=0), gen)
+        return n, _sample(p[n], gen)
+    # block verification: c_i = min(1, c_{i-1} p_i(d_i) / q_i(d_i)), and position i passes with
+    # probability h_i, the mass the next position could still repair over what rejecting costs.
+    a, c, cs = 0, 1.0, []
+    for i in range(n):
+        d = int(drafts[i])
+        c = min(1.0, c * float(p[i, d]) / max(float(q[i, d]), 1e-30))
+        cs.append(c)
+        if i < n - 1:
+            residual = float(torch.clamp(c * p[i + 1] - q[i + 1], min=0).sum())
+            denom = residual + 1.0 - c
+            h = residual / denom if denom > 0 else 1.0
+        else:
+            h = c
+        if _uniform(gen) <= h:
+            a = i + 1
+    if a == n:
+        return a, _sample(p[n], gen)
+    c_prev = cs[a - 1] if a > 0 else 1.0
+    return a, _sample(torch.clamp(c_prev * p[a] - q[a], min=0), gen)
+
+
+def confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
+    """Drafts worth verifying: the prefix whose survival (running product of confidences) stays >= threshold."""
+    return int((confidence.double().cumprod(0) >= threshold).sum())
+
+
+def _first_token(logits: torch.Tensor, temperature: float, gen) -> int:
+    return int(logits.argmax()) if temperature == 0 else _sample(_probs(logits, temperature), gen)
+
+
+def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    tokens = tokens[:max_new]
+    for i, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: i + 1]
+    return tokens
+
+
+def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, temperature: float = 0.0,
+                method: Rejection = "block", eos: set[int] = frozenset(), confidence_threshold: float | None = None,
+                gen: torch.Generator | None = None, draft_sample: DraftSample = "probabilistic") -> Trace:
+    start = time.perf_counter()
+    verifier.reset()
+    logits, states = verifier.forward(prompt)
+    t = time.perf_counter()
+    ctx = drafter.context(states)
+    trace = Trace([_first_token(logits[-1], temperature, gen)])
+    trace.verify_s += t - start
+    trace.draft_s += time.perf_counter() - t
+    while len(trace.tokens) < max_new and trace.tokens[-1] not in eos:
+        anchor = trace.tokens[-1]
+        t = time.perf_counter()
+        prop = drafter.propose(ctx, anchor, temperature, gen, draft_sample)
+        n = len(prop.tokens)
+        if confidence_threshold is not None and prop.confidence is not None:
+            n = confident_prefix(prop.confidence, confidence_threshold)
+        drafts = prop.tokens[:n]
+        t1 = time.perf_counter()
+        base = verifier.length
+        logits, states = verifier.forward(torch.cat([torch.tensor([anchor]), drafts.cpu()]))
+        a, nxt = accept(logits, drafts.to(logits.device), None if prop.probs is None else prop.probs[:n].to(logits.device),
+                        temperature, method, gen)
+        verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
+        t2 = time.perf_counter()
+        ctx = torch.cat([ctx, drafter.context(states[: 1 + a])])
+        trace.tokens += [*drafts[:a].tolist(), nxt]
+        trace.verified.append(n)
+        trace.accepted.append(a)
+        trace.draft_s += (t1 - t) + (time.perf_counter() - t2)
+        trace.verify_s += t2 - t1
+    trace.tokens = _finish(trace.tokens, max_new, eos)
+    trace.seconds = time.perf_counter() - start
+    return trace
+
+
+def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperature: float = 0.0,
+                   eos: set[int] = frozenset(), gen: torch.Generator | None = None) -> Trace:
+    """The verifier decoding alone, one token per forward: the output and speed to compare against."""
+    start = time.perf_counter()
+    verifier.reset()
+    logits, _ = verifier.forward(prompt)
+    tokens = [_first_token(logits[-1], temperature, gen)]
+    while len(tokens) < max_new and tokens[-1] not in eos:
+        logits, _ = verifier.forward([tokens[-1]])
+        tokens.append(_first_token(logits[-1], temperature, gen))
+    seconds = time.perf_counter() - start
+    return Trace(_finish(tokens, max_new, eos), seconds=seconds, verify_s=seconds)

@@ -1,0 +1,146 @@
+"""Decoded acceptance as users read it: per-position rates per dataset, long-context buckets, a PNG.
+
+Counts follow vLLM's spec-decode counters: a *draft* is one verifier step; position k is
+accepted in a step when at least k drafts were; the per-position rate is accepted / drafts
+(vLLM's `num_accepted_tokens_per_pos / num_drafts`), the conditional rate divides by the
+steps that reached position k; the mean acceptance length counts the verifier's own token too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dspark.decode.loop import Trace
+
+BEYOND = "beyond the verifier's maximum length"
+
+
+def summarize(traces: list[Trace], n_spec: int) -> dict:
+    accepted = np.array([a for t in traces for a in t.accepted], dtype=np.int64)
+    verified = np.array([v for t in traces for v in t.verified], dtype=np.int64)
+    steps = len(accepted)
+    at = [int((accepted >= k).sum()) for k in range(1, n_spec + 1)]
+    drafted = [int((verified >= k).sum()) for k in range(1, n_spec + 1)]
+    reached = [steps, *at[:-1]]
+    draft_s, verify_s = sum(t.draft_s for t in traces), sum(t.verify_s for t in traces)
+    tokens, seconds = sum(len(t.tokens) for t in traces), sum(t.seconds for t in traces)
+    return {
+        "requests": len(traces), "drafts": steps, "draft_tokens": int(verified.sum()),
+        "accepted_tokens": int(accepted.sum()), "tokens": tokens,
+        "mean_acceptance_length": 1 + float(accepted.sum()) / max(steps, 1),
+        "positions": [{"position": k + 1, "drafted": drafted[k], "accepted": at[k],
+                       "rate": at[k] / max(steps, 1), "conditional": at[k] / max(reached[k], 1)}
+                      for k in range(n_spec)],
+        "accepted_length_histogram": np.bincount(accepted, minlength=n_spec + 1).tolist(),
+        "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
+        "draft_s": draft_s, "verify_s": verify_s,
+        "drafted_tokens_per_s": float(verified.sum()) / draft_s if draft_s else 0.0,
+        "verified_tokens_per_s": float(verified.sum() + steps) / verify_s if verify_s else 0.0,
+    }
+
+
+def _rates(s: dict) -> str:
+    return " | ".join(f"{p['rate']:.3f}" for p in s["positions"])
+
+
+def markdown(result: dict) -> str:
+    n = result["num_speculative_tokens"]
+    pos = " | ".join(str(k) for k in range(1, n + 1))
+    head = (f"Decoded with {result['layout']} layout, {result['num_speculative_tokens']} draft tokens per step, "
+            f"{result['sampling']}, up to {result['max_new_tokens']} new tokens per prompt.")
+    lines = [head, "", "Per-position acceptance rate (accepted / drafts), mean acceptance length (incl. the "
+             "verifier's token) and wall-clock speedup over the verifier alone:", "",
+             f"| dataset | prompts | drafts | {pos} | mean length | tok/s | verifier-only tok/s | speedup |",
+             "|---|---:|---:|" + "---:|" * n + "---:|---:|---:|---:|"]
+    for d in result["datasets"]:
+        s = d["decoded"]
+        lines.append(f"| {d['name']} | {s['requests']} | {s['drafts']} | {_rates(s)} | "
+                     f"{s['mean_acceptance_length']:.2f} | {s['tokens_per_s']:.1f} | "
+                     f"{d['verifier_only']['tokens_per_s']:.1f} | {d['speedup']:.2f}x |")
+    confident = [d for d in result["datasets"] if d.get("confident")]
+    if confident:
+        lines += ["", f"With the confidence head stopping each block where the running product of its "
+                  f"confidences falls below {result['confidence_threshold']} (fewer drafts verified):", "",
+                  f"| dataset | drafts | verified drafts/step | {pos} | mean length | tok/s |",
+                  "|---|---:|---:|" + "---:|" * n + "---:|---:|"]
+        for d in confident:
+            s = d["confident"]
+            lines.append(f"| {d['name']} | {s['drafts']} | {s['draft_tokens'] / max(s['drafts'], 1):.2f} | "
+                         f"{_rates(s)} | {s['mean_acceptance_length']:.2f} | {s['tokens_per_s']:.1f} |")
+    if result.get("long_context"):
+        lines += ["", "Long context: mean acceptance length by sub-domain and prompt length (tokens):", ""]
+        buckets = result["long_buckets"]
+        lines += ["| dataset | sub-domain | " + " | ".join(buckets) + " |", "|---|---|" + "---|" * len(buckets)]
+        for row in result["long_context"]:
+            cells = [row["cells"].get(b, "") for b in buckets]
+            lines.append(f"| {row['dataset']} | {row['subdomain']} | " + " | ".join(cells) + " |")
+    tf = result.get("teacher_forced")
+    if tf:
+        lines += ["", "Teacher-forced estimate (`dspark eval` on stored states) next to real decoding:", "",
+                  "| | mean acceptance length |", "|---|---:|",
+                  f"| teacher-forced, greedy match (tau greedy) | {tf['tau_greedy']:.2f} |",
+                  f"| teacher-forced, analytic 1-TV (tau analytic) | {tf['tau_analytic']:.2f} |"]
+        lines += [f"| decoded, {d['name']} | {d['decoded']['mean_acceptance_length']:.2f} |" for d in result["datasets"]]
+    return "\n".join(lines) + "\n"
+
+
+def long_context_rows(sets: list[dict], buckets: list[str]) -> list[dict]:
+    """One row per (dataset, sub-domain); a cell holds the mean length and prompts, or says it is beyond reach."""
+    rows = []
+    for d in sets:
+        subs = sorted({s for s, _ in d["by_bucket"]} | {s for s, _ in d["too_long"]}, key=str)
+        for sub in subs:
+            cells = {}
+            for b in buckets:
+                if (sub, b) in d["by_bucket"]:
+                    s = d["by_bucket"][(sub, b)]
+                    cells[b] = f"{s['mean_acceptance_length']:.2f} ({s['requests']})"
+                elif (sub, b) in d["too_long"]:
+                    cells[b] = f"{BEYOND} ({d['too_long'][(sub, b)]})"
+            rows.append({"dataset": d["name"], "subdomain": sub or "-", "cells": cells})
+    return rows
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    long_rows = result.get("long_context") or []
+    fig, axes = plt.subplots(1, 2 if long_rows else 1, figsize=(11 if long_rows else 6, 4), squeeze=False)
+    a = axes[0, 0]
+    for i, d in enumerate(result["datasets"]):
+        s = d["decoded"]
+        a.plot([p["position"] for p in s["positions"]], [p["rate"] for p in s["positions"]], marker="o",
+               color=f"C{i}", label=f"{d['name']} ({s['mean_acceptance_length']:.2f})")
+        if d.get("confident"):
+            c = d["confident"]
+            a.plot([p["position"] for p in c["positions"]], [p["rate"] for p in c["positions"]], linestyle="--",
+                   marker=".", color=f"C{i}", label=f"{d['name']}, confidence stop ({c['mean_acceptance_length']:.2f})")
+    a.set(xlabel="draft position", ylabel="acceptance rate (accepted / drafts)", ylim=(0, 1.02),
+          title="decoded per-position acceptance (mean length)")
+    a.legend(fontsize=7)
+    a.grid(alpha=0.3)
+    if long_rows:
+        b = axes[0, 1]
+        buckets = result["long_buckets"]
+        x = np.arange(len(buckets))
+        width = 0.8 / len(long_rows)
+        for i, row in enumerate(long_rows):
+            vals = [float(row["cells"][k].split()[0]) if k in row["cells"] and not row["cells"][k].startswith(BEYOND)
+                    else np.nan for k in buckets]
+            b.bar(x - 0.4 + width * (i + 0.5), vals, width, label=f"{row['dataset']}/{row['subdomain']}")
+            for j, k in enumerate(buckets):
+                if row["cells"].get(k, "").startswith(BEYOND):
+                    b.text(x[j], 0.05, "beyond max length", rotation=90, fontsize=7, ha="center", va="bottom")
+        b.set_xticks(x, buckets, fontsize=8)
+        b.set(xlabel="prompt tokens", ylabel="mean acceptance length", title="long context")
+        b.legend(fontsize=7)
+        b.grid(alpha=0.3, axis="y")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

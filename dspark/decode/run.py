@@ -1,0 +1,144 @@
+"""`dspark eval --decode`: a checkpoint decoding for real, on named prompt sets, against the verifier alone."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.decode.drafter import DraftSample, Layout
+from dspark.decode.loop import Rejection
+from dspark.errors import InputError
+
+
+@dataclass
+class DecodeConfig:
+    checkpoint: str
+    prompts: list[str] = field(default_factory=list)  # "name=path" or "path"; default: the run's prepared data
+    verifier: str | None = None
+    max_prompts: int | None = 20
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    draft_sample: DraftSample = "probabilistic"
+    rejection: Rejection = "block"
+    layout: Layout = "dspark"
+    num_speculative_tokens: int | None = None
+    confidence_threshold: float | None = 0.5
+    dtype: str = "float32"
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def validate(self) -> DecodeConfig:
+        if self.temperature < 0:
+            raise InputError(f"--temperature {self.temperature} is negative", "pass 0 (greedy) or a positive value")
+        if self.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens {self.max_new_tokens} is below 1", "pass at least 1")
+        if self.confidence_threshold is not None and not 0 < self.confidence_threshold <= 1:
+            raise InputError(f"--confidence-threshold {self.confidence_threshold} is not in (0, 1]",
+                             "pass a survival probability such as 0.5")
+        if self.num_speculative_tokens is not None and self.layout == "dspark":
+            raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
+                             "drop it: the dspark layout drafts what the checkpoint was trained to draft")
+        return self
+
+
+def _sampling(cfg: DecodeConfig) -> str:
+    if cfg.temperature == 0:
+        return "greedy"
+    return f"temperature {cfg.temperature}, {cfg.draft_sample} drafts, {cfg.rejection} rejection sampling"
+
+
+def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
+               progress: bool = True) -> tuple[dict, Path]:
+    from tqdm import tqdm
+
+    from dspark.decode.drafter import Drafter
+    from dspark.decode.loop import autoregressive, speculative
+    from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set
+    from dspark.decode.report import long_context_rows, markdown, plot, summarize
+    from dspark.decode.verifier import Verifier
+    from dspark.evaluate import load_checkpoint
+    from dspark.prepare import load_tokenizer
+    from dspark.train.checkpoint import require_checkpoint
+    from dspark.train.config import TrainConfig
+
+    cfg.validate()
+    ckpt = require_checkpoint(cfg.checkpoint)
+    run_root = ckpt.parent.parent
+    run = TrainConfig.load(run_root) if (run_root / "config.json").exists() else None
+    verifier_path = cfg.verifier or (run.verifier_name_or_path if run else None)
+    specs = cfg.prompts or ([f"train-data={run.data_path}"] if run else [])
+    if not specs:
+        raise InputError(f"{ckpt} is not inside a run folder, so there are no default prompts", "pass --prompts FILE")
+    device = torch.device("cpu")
+    model = load_checkpoint(ckpt, verifier_path, device).to(getattr(torch, cfg.dtype))
+    verifier_path = model.config.speculators_config.verifier.name_or_path
+    try:
+        drafter = Drafter(model, cfg.layout, cfg.num_speculative_tokens)
+    except ValueError as e:
+        raise InputError(str(e), "drop --num-speculative-tokens") from None
+    verifier = Verifier(verifier_path, model.target_layer_ids, cfg.dtype, device)
+    tokenizer = load_tokenizer(verifier_path)
+    eos = set() if cfg.ignore_eos else {tokenizer.eos_token_id} - {None}
+    n_spec = drafter.num_speculative_tokens
+    use_confidence = cfg.confidence_threshold is not None and drafter.confidence is not None
+
+    datasets = []
+    for spec in specs:
+        ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + drafter.slots)
+        runs: dict[str, list] = defaultdict(list)
+        by_sub = defaultdict(list)
+        for i, prompt in enumerate(tqdm(ps.prompts, desc=f"decode {ps.name}", unit="prompt", disable=not progress)):
+            kw = dict(temperature=cfg.temperature, eos=eos)
+            seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
+            spec_kw = dict(method=cfg.rejection, draft_sample=cfg.draft_sample, **kw)
+            trace = speculative(verifier, drafter, list(prompt.ids), cfg.max_new_tokens, gen=seeded(), **spec_kw)
+            base = autoregressive(verifier, list(prompt.ids), cfg.max_new_tokens, gen=seeded(), **kw)
+            runs["decoded"].append(trace)
+            runs["verifier_only"].append(base)
+            if use_confidence:
+                runs["confident"].append(speculative(verifier, drafter, list(prompt.ids), cfg.max_new_tokens,
+                                                     confidence_threshold=cfg.confidence_threshold, gen=seeded(),
+                                                     **spec_kw))
+            by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(trace)
+        if not runs["decoded"]:
+            datasets.append({"name": ps.name, **ps.summary(), "by_bucket": {}, "too_long": dict(ps.too_long)})
+            continue
+        decoded = summarize(runs["decoded"], n_spec)
+        base_tokens = sum(len(t.tokens) for t in runs["verifier_only"])
+        base_s = sum(t.seconds for t in runs["verifier_only"])
+        entry = {"name": ps.name, **ps.summary(), "decoded": decoded,
+                 "verifier_only": {"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s},
+                 "speedup": decoded["tokens_per_s"] / (base_tokens / base_s),
+                 "by_bucket": {k: summarize(v, n_spec) for k, v in by_sub.items()} if ps.longbench else {},
+                 "too_long": dict(ps.too_long) if ps.longbench else {}}
+        if cfg.temperature == 0:  # greedy speculative decoding must reproduce the verifier's own output
+            entry["outputs_equal_verifier_only"] = sum(
+                a.tokens == b.tokens for a, b in zip(runs["decoded"], runs["verifier_only"]))
+        if use_confidence:
+            entry["confident"] = summarize(runs["confident"], n_spec)
+        datasets.append(entry)
+
+    long_sets = [d for d in datasets if d["by_bucket"] or d["too_long"]]
+    result = {"checkpoint": str(ckpt), "verifier": str(verifier_path), "layout": cfg.layout,
+              "num_speculative_tokens": n_spec, "sampling": _sampling(cfg), "max_new_tokens": cfg.max_new_tokens,
+              "confidence_threshold": cfg.confidence_threshold if use_confidence else None,
+              "config": asdict(cfg), "datasets": [d for d in datasets if "decoded" in d],
+              "long_buckets": LONG_BUCKETS, "long_context": long_context_rows(long_sets, LONG_BUCKETS)}
+    if teacher_forced:
+        result["teacher_forced"] = {k: teacher_forced[k] for k in ("tau_greedy", "tau_analytic")}
+    if not result["datasets"]:
+        raise InputError("no prompt could be decoded: every one is beyond the verifier's maximum length "
+                         f"({verifier.max_length})", "pass shorter prompts or a lower --max-new-tokens")
+    for d in result["datasets"]:  # tuple keys are for building the table; JSON gets "subdomain/bucket"
+        d["by_bucket"] = {f"{s or '-'}/{b}": v for (s, b), v in d["by_bucket"].items()}
+        d["too_long"] = {f"{s or '-'}/{b}": v for (s, b), v in d["too_long"].items()}
+    out = Path(output) if output else ckpt / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode.json").write_text(json.dumps(result, indent=2))
+    (out / "decode.md").write_text(markdown(result))
+    plot(result, out / "decode.png", f"{run_root.name}/{ckpt.name}: speculative decoding")
+    return result, out
