@@ -4,6 +4,11 @@ The output folder must be new or empty, or hold an earlier export of the same ch
 (only the files export writes, with the same weights): rerunning an export is then a no-op
 in effect. Anything else is refused unless --force, which overwrites export's own files and
 leaves any others in place.
+
+README.md is a model card (dspark/model_card.py): the verifier, the drafter's specifications, how
+it was made (the prepare/extract/train commands rebuilt from the run's records, no local path),
+how to serve it, and the acceptance reports `dspark eval` wrote for this checkpoint, whose
+figures are copied beside it.
 """
 
 from __future__ import annotations
@@ -14,21 +19,15 @@ import shutil
 from pathlib import Path
 
 from dspark.errors import InputError
+from dspark.model_card import FIGURES, docker_command, render, serve_command, speculative_config, terminal_note
 
-VLLM_README = """# DSpark drafter for {verifier}
-
-Exported by dspark from `{source}`.
-
-Serve with vLLM (Model Runner V2):
-
-    {command}
-"""
+# The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
+EXPORT_FILES = {"config.json", "model.safetensors", "README.md", *FIGURES}
 
 
 def vllm_command(verifier: str, export_dir: str, num_speculative_tokens: int) -> str:
-    spec = {"model": export_dir, "method": "dspark", "num_speculative_tokens": num_speculative_tokens,
-            "draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
-    return f"vllm serve {verifier} --speculative-config '{json.dumps(spec)}'"
+    """The bare `vllm serve` line; `method: dspark` also needs VLLM_USE_V2_MODEL_RUNNER=1 (`serve_command`)."""
+    return f"vllm serve {verifier} --speculative-config '{speculative_config(export_dir, num_speculative_tokens)}'"
 
 
 def _absolute_paths(obj, where="config") -> list[str]:
@@ -45,7 +44,7 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
     present = {p.name for p in out.iterdir()} if out.exists() else set()
     if not present or force:
         return
-    ours = {"config.json", "model.safetensors", "README.md"} | {p.name for p in src.glob("*.py")}
+    ours = EXPORT_FILES | {p.name for p in src.glob("*.py")}
     if present <= ours and "model.safetensors" in present and \
             filecmp.cmp(src / "model.safetensors", out / "model.safetensors", shallow=False):
         return  # an earlier export of this checkpoint
@@ -75,6 +74,15 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
         shutil.copyfile(code, out / code.name)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    command = vllm_command(verifier_name, str(out), tokens)
-    (out / "README.md").write_text(VLLM_README.format(verifier=verifier_name, source=src.name, command=command))
-    return {"export": str(out), "verifier": verifier_name, "serve": command}
+    card, figures = render(src, config, verifier_name, out)
+    for name in FIGURES:  # a figure of an earlier export whose report no longer matches goes
+        (out / name).unlink(missing_ok=True)
+    for figure, name in figures:
+        shutil.copyfile(figure, out / name)
+    (out / "README.md").write_text(card)
+    return {"export": str(out), "verifier": verifier_name,
+            "serve": serve_command(verifier_name, str(out), tokens),
+            "docker": docker_command(verifier_name, str(out.resolve()), tokens),
+            "note": terminal_note(config),
+            "files": sorted(["config.json", "model.safetensors", "README.md", *(n for _, n in figures),
+                             *(p.name for p in src.glob("*.py"))])}
