@@ -318,7 +318,8 @@ def export_cmd(checkpoint, output, verifier_name, force):
 
     result = export(checkpoint, output, verifier_name, force)
     click.echo(result["serve"])
-    click.echo(f"wrote {result['export']} (config.json, model.safetensors, README.md)")
+    click.secho(result["note"], fg="yellow", err=True)
+    click.echo(f"wrote {result['export']} ({', '.join(result['files'])})")
 
 
 @main.command("replay")

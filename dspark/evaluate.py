@@ -106,6 +106,9 @@ def evaluate(model, data, batches, device: torch.device, cfg) -> dict:
         raise InputError("no supervised positions to evaluate", "evaluate on samples with assistant tokens")
     match, accept, mask, ctx = (np.concatenate(x) for x in (match, accept, mask, ctx))
     conf = np.concatenate(conf) if conf else None
+    if not model.config.sample_from_anchor:  # slot 0 holds the anchor and drafts nothing: position 1 is slot 1
+        match, accept, mask = match[:, 1:], accept[:, 1:], mask[:, 1:]
+        conf = None if conf is None else conf[:, 1:]
     return summarize(match, accept, conf, mask, ctx)
 
 

@@ -571,7 +571,7 @@ def _acceptance(ckpt: Path, p: Provenance, known: dict[str, str]) -> tuple[list[
                 f"{where} --store <store>` writes one into the checkpoint's `eval/`; export again to include it.", ""]
     if "decode" not in names:
         out += ["No speculative-decoding report for this checkpoint yet: `dspark eval --checkpoint "
-                f"{where} --store <store> --decode --data <data>` measures real speculative decoding (per-position "
+                f"{where} --decode --prompts [NAME=]<prompts>` measures real speculative decoding (per-position "
                 "acceptance per data set, and by context length); export again to include it.", ""]
     return out, copies
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole CPU path on the embedded default, a few minutes on 2 cores:
-#   toy verifier -> prepare -> extract -> train -> export -> eval (prints the acceptance table).
+#   toy verifier -> prepare -> extract -> train -> eval (teacher-forced, then decoded) -> export.
 # Every step is idempotent or resumable: rerunning skips finished work.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,5 +17,14 @@ dspark extract --to zarr --model "$D/models/tiny" --data "$D/prepared/demo" \
 dspark store info "$D/stores/demo"
 dspark train --config scripts/configs/demo.yaml --from zarr --store "$D/stores/demo" \
     --data-path "$D/prepared/demo" --verifier-name-or-path "$D/models/tiny" --save-path "$D/runs/demo"
+dspark longbench --output "$D/prompts/longbench.jsonl" --model "$D/models/tiny" --lengths 1024 2048 8192 \
+    --per-length 1
+# Teacher-forced acceptance on the store, then real speculative decoding (greedy, as vLLM's DSpark
+# speculator drafts) on the chat prompts and the long-context file, against the verifier alone.
+dspark eval --checkpoint "$D/runs/demo/latest" --decode --prompts chat="$DATA" \
+    --prompts longbench="$D/prompts/longbench.jsonl" --max-prompts 10 --max-new-tokens 64 --no-progress
+# After eval, so the model card embeds its tables and plots.
 dspark export "$D/runs/demo/latest" --output "$D/export/demo" --verifier-name dspark/tiny-verifier
-dspark eval --checkpoint "$D/runs/demo/latest" --store "$D/stores/demo"
+set +x
+echo; echo "Decoded acceptance (also in $D/export/demo/README.md, the model card):"; echo
+cat "$D/runs/demo/latest/eval/decode.md"

@@ -102,6 +102,13 @@ def fit(c, **kw) -> list[dict]:
     return MetricLog(Path(c.save_path) / "metrics.jsonl", tensorboard=False).read()
 
 
+@pytest.fixture(scope="session")
+def reference_run(store, prepared, verifier, tmp_path_factory):
+    """A trained tiny drafter: (its TrainConfig, its metric records); shared by training, eval and decode tests."""
+    c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "ref")
+    return c, fit(c)
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path

@@ -83,7 +83,7 @@ def test_card_has_specs_commands_figures_and_no_local_path(run, verifier, prepar
     eval_md = (run / "latest" / "eval" / "eval.md").read_text()
     assert eval_md.splitlines()[2] in card and "![Teacher-forced acceptance (`dspark eval`)](eval.png)" in card
     assert (out / "eval.png").read_bytes() == (run / "latest" / "eval" / "eval.png").read_bytes()
-    assert f"dspark eval --checkpoint <run>/checkpoints/{(run / 'latest').resolve().name} --store <store> --decode" \
+    assert f"dspark eval --checkpoint <run>/checkpoints/{(run / 'latest').resolve().name} --decode --prompts" \
            in card
     assert sorted(result["files"]) == sorted(p.name for p in out.iterdir())
 

@@ -17,12 +17,6 @@ from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
 
 
-@pytest.fixture(scope="module")
-def reference_run(store, prepared, verifier, tmp_path_factory):
-    c = cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "ref")
-    return c, fit(c)
-
-
 def test_loss_falls_and_tau_rises(reference_run):
     _, records = reference_run
     val = [r["metrics"] for r in records if r["split"] == "val"]

@@ -6,6 +6,7 @@ drafts does not matter, only that vLLM loads it, drafts with it and counts.
 """
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -57,6 +58,36 @@ def test_vllm_dflash_counters_are_consistent(verifier, prepared, no_anchor_expor
     # The export itself still names the portable verifier; the script re-pointed a copy.
     assert json.loads((no_anchor_export / "config.json").read_text())[
         "speculators_config"]["verifier"]["name_or_path"] == "dspark/tiny-verifier"
+
+
+def test_our_dflash_layout_predicts_what_vllm_accepts_on_an_anchor_checkpoint(reference_run, verifier, prepared,
+                                                                            tmp_path):
+    """A sample_from_anchor checkpoint served with `method: dflash` (drafts shifted by one): `dspark eval
+    --decode --layout dflash-v1` must reproduce vLLM's own counters on the same prompts."""
+    import torch
+
+    from dspark.decode.drafter import Drafter
+    from dspark.decode.loop import speculative
+    from dspark.decode.report import summarize
+    from dspark.decode.verifier import Verifier
+    from dspark.evaluate import load_checkpoint
+    from dspark.prepare import load_tokenizer
+
+    c, _ = reference_run
+    export(os.path.join(c.save_path, "latest"), str(tmp_path / "export"), "dspark/tiny-verifier")
+    n, new, k = 8, 24, 4
+    prompts = _prompts(prepared, k)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    r = accept(verifier, tmp_path / "export", tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
+               "--max-new-tokens", new, "--num-speculative-tokens", n)
+    model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
+    v, drafter = Verifier(verifier, model.target_layer_ids), Drafter(model, "dflash-v1", n)
+    eos = {load_tokenizer(verifier).eos_token_id}  # vLLM's ignore_eos bans it; so does ours
+    traces = [speculative(v, drafter, p, new, eos=eos, ignore_eos=True) for p in prompts]
+    assert [t.tokens for t in traces] == r["outputs"]
+    ours = summarize(traces, n)
+    assert abs(ours["drafts"] - r["num_drafts"]) <= 1
+    assert all(abs(a["accepted"] - b) <= 1 for a, b in zip(ours["positions"], r["accepted_per_position"]))
 
 
 def _prompts(prepared, k: int) -> list[list[int]]:

@@ -92,6 +92,13 @@ def confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
     return int((confidence.double().cumprod(0) >= threshold).sum())
 
 
+def _ban(logits: torch.Tensor, banned: set[int]) -> torch.Tensor:
+    """vLLM's `ignore_eos`: the stop tokens cannot be sampled at all, so every request runs to max_new."""
+    if banned:
+        logits[..., list(banned)] = float("-inf")
+    return logits
+
+
 def _first_token(logits: torch.Tensor, temperature: float, gen) -> int:
     return int(logits.argmax()) if temperature == 0 else _sample(_probs(logits, temperature), gen)
 
@@ -105,11 +112,14 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, temperature: float = 0.0,
-                method: Rejection = "block", eos: set[int] = frozenset(), confidence_threshold: float | None = None,
-                gen: torch.Generator | None = None, draft_sample: DraftSample = "probabilistic") -> Trace:
+                method: Rejection = "block", eos: set[int] = frozenset(), ignore_eos: bool = False,
+                confidence_threshold: float | None = None, gen: torch.Generator | None = None,
+                draft_sample: DraftSample = "probabilistic") -> Trace:
     start = time.perf_counter()
+    banned = set(eos) if ignore_eos else set()
     verifier.reset()
     logits, states = verifier.forward(prompt)
+    _ban(logits, banned)
     t = time.perf_counter()
     ctx = drafter.context(states)
     trace = Trace([_first_token(logits[-1], temperature, gen)])
@@ -126,6 +136,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         t1 = time.perf_counter()
         base = verifier.length
         logits, states = verifier.forward(torch.cat([torch.tensor([anchor]), drafts.cpu()]))
+        _ban(logits, banned)
         a, nxt = accept(logits, drafts.to(logits.device), None if prop.probs is None else prop.probs[:n].to(logits.device),
                         temperature, method, gen)
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
@@ -142,14 +153,15 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
 
 
 def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperature: float = 0.0,
-                   eos: set[int] = frozenset(), gen: torch.Generator | None = None) -> Trace:
+                   eos: set[int] = frozenset(), ignore_eos: bool = False, gen: torch.Generator | None = None) -> Trace:
     """The verifier decoding alone, one token per forward: the output and speed to compare against."""
     start = time.perf_counter()
+    banned = set(eos) if ignore_eos else set()
     verifier.reset()
     logits, _ = verifier.forward(prompt)
-    tokens = [_first_token(logits[-1], temperature, gen)]
+    tokens = [_first_token(_ban(logits, banned)[-1], temperature, gen)]
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits, _ = verifier.forward([tokens[-1]])
-        tokens.append(_first_token(logits[-1], temperature, gen))
+        tokens.append(_first_token(_ban(logits, banned)[-1], temperature, gen))
     seconds = time.perf_counter() - start
     return Trace(_finish(tokens, max_new, eos), seconds=seconds, verify_s=seconds)

@@ -1,0 +1,148 @@
+"""The speculative-decoding loop behind `dspark eval --decode`: exact drafting, lossless verification, honest counts."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_cli, train_cfg, write_jsonl
+from dspark.decode.drafter import Drafter
+from dspark.decode.loop import accept, autoregressive, speculative
+from dspark.decode.report import summarize
+from dspark.decode.verifier import Verifier
+from dspark.evaluate import load_checkpoint
+from dspark.prepare import PreparedData
+
+
+def _prompts(prepared, n):
+    data = PreparedData(prepared)
+    out = []
+    for i in range(n):
+        ids, mask = data.sample(i)
+        out.append([int(t) for t in ids[: int(np.argmax(mask > 0))]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoder(reference_run, verifier):
+    c, _ = reference_run
+    model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
+    return model, Verifier(verifier, model.target_layer_ids)
+
+
+@pytest.mark.parametrize("sample_from_anchor", [True, False])
+def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anchor, store, prepared, verifier, tmp_path):
+    from dspark.train.model import build_model
+
+    cfg = train_cfg(store, prepared, verifier, tmp_path / "r", sample_from_anchor=sample_from_anchor)
+    torch.manual_seed(0)
+    model = build_model(cfg, PreparedData(prepared), torch.device("cpu")).eval()
+    drafter = Drafter(model)
+    assert drafter.num_speculative_tokens == (8 if sample_from_anchor else 7)
+    ids, mask = PreparedData(prepared).sample(2)
+    ids = torch.as_tensor(ids.astype(np.int64))
+    v = Verifier(verifier, cfg.target_layer_ids)
+    v.reset()
+    _, states = v.forward(ids)
+    T, anchor = len(ids), int(np.argmax(mask > 0)) + 3
+    only_this_anchor = torch.zeros(1, T)
+    only_this_anchor[0, anchor] = 1
+    with torch.no_grad():
+        _, logits, *_ = model._backbone_forward(
+            states[None], ids[None], only_this_anchor, torch.zeros(1, T, model.config.transformer_layer_config.hidden_size),
+            torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None], max_anchors=1)
+        ours = model.lm_head(drafter._block_hidden(drafter.context(states[:anchor]), int(ids[anchor])))
+    torch.testing.assert_close(ours, logits[0], atol=1e-4, rtol=1e-4)  # float32, any x86 CPU
+
+
+@pytest.mark.parametrize("layout,threshold", [("dspark", None), ("dspark", 0.5), ("dflash-v1", None)])
+def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layout, threshold):
+    model, v = decoder
+    drafter = Drafter(model, layout)
+    traces = []
+    for prompt in _prompts(prepared, 4):
+        spec = speculative(v, drafter, prompt, 40, confidence_threshold=threshold)
+        assert spec.tokens == autoregressive(v, prompt, 40).tokens
+        # every step yields its accepted drafts and one token of the verifier's; the last may be cut at 40
+        produced = [a + 1 for a in spec.accepted]
+        assert 1 + sum(produced[:-1]) < len(spec.tokens) <= 1 + sum(produced)
+        assert all(0 <= a <= n <= drafter.num_speculative_tokens for a, n in zip(spec.accepted, spec.verified))
+        traces.append(spec)
+    s = summarize(traces, drafter.num_speculative_tokens)
+    accepted = [p["accepted"] for p in s["positions"]]
+    assert accepted == sorted(accepted, reverse=True) and sum(accepted) == s["accepted_tokens"]
+    hist = s["accepted_length_histogram"]
+    assert sum(hist) == s["drafts"] and sum(k * n for k, n in enumerate(hist)) == s["accepted_tokens"]
+    assert all(p["rate"] <= p["conditional"] for p in s["positions"])  # reaching k is rarer than passing it
+    assert s["mean_acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
+    if threshold is None:
+        assert s["draft_tokens"] == s["drafts"] * drafter.num_speculative_tokens
+    if layout == "dspark" and threshold is None:
+        assert s["positions"][0]["rate"] > 0.2  # a trained drafter, drafting in its trained layout
+
+
+@pytest.mark.parametrize("method", ["block", "standard"])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_rejection_sampling_keeps_the_verifiers_distribution(method, one_hot):
+    """Two drafts from q, verified against p: the first two output tokens must be distributed as p0 x p1."""
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.tensor([[1.0, 0.2, -1.0], [0.0, 1.2, 0.3], [0.5, 0.5, 0.5]])
+    q = torch.softmax(torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, -0.5]]), -1)
+    p = torch.softmax(p_logits, -1)
+    trials, counts, accepted = 12000, torch.zeros(3, 3), 0
+    for _ in range(trials):
+        if one_hot:  # vLLM's greedy draft_sample_method at temperature > 0
+            drafts = q.argmax(-1)
+            probs = torch.nn.functional.one_hot(drafts, 3).float()
+        else:
+            drafts = torch.multinomial(q, 1, generator=gen)[:, 0]
+            probs = q
+        a, nxt = accept(p_logits, drafts, probs, 1.0, method, gen)
+        out = [*drafts[:a].tolist(), nxt]
+        if len(out) == 1:  # the next step sees the same p1 (this p does not depend on the prefix)
+            out.append(int(torch.multinomial(p[1], 1, generator=gen)))
+        counts[out[0], out[1]] += 1
+        accepted += a
+    torch.testing.assert_close(counts / trials, p[0][:, None] * p[1][None, :], atol=0.02, rtol=0)
+    assert accepted > 0
+
+
+def test_block_verification_accepts_at_least_as_much_as_standard():
+    gen = torch.Generator().manual_seed(1)
+    p_logits = torch.randn(5, 6, generator=gen)
+    q = torch.softmax(p_logits[:4] + 0.8 * torch.randn(4, 6, generator=gen), -1)
+    mean = {}
+    for method in ("block", "standard"):
+        g = torch.Generator().manual_seed(2)
+        mean[method] = np.mean([accept(p_logits, torch.multinomial(q, 1, generator=g)[:, 0], q, 1.0, method, g)[0]
+                                for _ in range(4000)])
+    assert mean["block"] >= mean["standard"] - 0.03
+
+
+@pytest.mark.slow
+def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(reference_run, verifier, chat_file,
+                                                                                tmp_path):
+    c, _ = reference_run
+    lb = tmp_path / "lb.jsonl"
+    run_cli("longbench", "--output", lb, "--model", verifier, "--lengths", "6000", "400", "--per-length", "1")
+    user_only = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
+    proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "ev",
+                   "--prompts", f"chat={chat_file}", "--prompts", f"long={lb}", "--max-prompts", "2",
+                   "--max-new-tokens", "16", "--no-progress")
+    result = json.loads((tmp_path / "ev" / "decode.json").read_text())
+    assert [d["name"] for d in result["datasets"]] == ["chat", "long"]
+    for d in result["datasets"]:
+        assert d["outputs_equal_verifier_only"] == d["prompts"] == 2
+        assert len(d["decoded"]["positions"]) == 8 and d["speedup"] > 0
+    cells = {(r["subdomain"], k): v for r in result["long_context"] for k, v in r["cells"].items()}
+    assert cells[("passage_retrieval", "4K-8K")].startswith("beyond the verifier's maximum length")
+    assert cells[("continuation", "<=2K")].endswith("(1)")
+    assert result["teacher_forced"]["tau_greedy"] > 1
+    md = (tmp_path / "ev" / "decode.md").read_text()
+    assert "| chat | 2 |" in md and "teacher-forced" in md and md in proc.stdout
+    assert (tmp_path / "ev" / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    none = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e2",
+                   "--prompts", user_only, "--no-progress", check=False)
+    assert none.returncode == 2 and "asks" in none.stderr and "Traceback" not in none.stderr
