@@ -185,10 +185,24 @@ def plot(result: dict, path: Path, title: str) -> None:
     b.set(xlabel="context tokens before the anchor", ylabel="tau", title="acceptance length by context")
     b.legend(fontsize=8)
     b.grid(alpha=0.3, axis="y")
+    save_figure(fig, path, title)
+
+
+def save_figure(fig, path: Path, title: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_report(result: dict, out: Path, name: str, markdown_fn, plot_fn, title: str) -> None:
+    """NAME.json, NAME.md and NAME.png in `out`: what a script reads, what a person reads, what they look at."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(markdown_fn(result))
+    plot_fn(result, out / f"{name}.png", title)
 
 
 def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier: str | None, output: str | None,
@@ -227,8 +241,5 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
         result["damaged_skipped"] = sorted(data.damaged)
         print(f"warning: {data.damaged_report()}", file=sys.stderr)
     out = Path(output) if output else ckpt / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval.json").write_text(json.dumps(result, indent=2))
-    (out / "eval.md").write_text(markdown(result))
-    plot(result, out / "eval.png", f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
+    write_report(result, out, "eval", markdown, plot, f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
     return result, out

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.decode.loop import Trace
+from dspark.evaluate import save_figure
 
 BEYOND = "beyond the verifier's maximum length"
 
@@ -140,7 +141,4 @@ def plot(result: dict, path: Path, title: str) -> None:
         b.set(xlabel="prompt tokens", ylabel="mean acceptance length", title="long context")
         b.legend(fontsize=7)
         b.grid(alpha=0.3, axis="y")
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, title)

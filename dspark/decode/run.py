@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -60,7 +59,7 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set
     from dspark.decode.report import long_context_rows, markdown, plot, summarize
     from dspark.decode.verifier import Verifier
-    from dspark.evaluate import load_checkpoint
+    from dspark.evaluate import load_checkpoint, write_report
     from dspark.prepare import load_tokenizer
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
@@ -141,8 +140,5 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
         d["by_bucket"] = {f"{s or '-'}/{b}": v for (s, b), v in d["by_bucket"].items()}
         d["too_long"] = {f"{s or '-'}/{b}": v for (s, b), v in d["too_long"].items()}
     out = Path(output) if output else ckpt / "eval"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "decode.json").write_text(json.dumps(result, indent=2))
-    (out / "decode.md").write_text(markdown(result))
-    plot(result, out / "decode.png", f"{run_root.name}/{ckpt.name}: speculative decoding")
+    write_report(result, out, "decode", markdown, plot, f"{run_root.name}/{ckpt.name}: speculative decoding")
     return result, out
