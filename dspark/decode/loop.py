@@ -32,8 +32,9 @@ class Trace:
     tokens: list[int]
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
-    draft_s: float = 0.0
-    verify_s: float = 0.0
+    draft_s: float = 0.0    # drafter: proposals and the context it keeps
+    verify_s: float = 0.0   # verifier forwards after the prompt's
+    prefill_s: float = 0.0  # the verifier's forward over the prompt
     seconds: float = 0.0
 
 
@@ -123,7 +124,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     t = time.perf_counter()
     ctx = drafter.context(states)
     trace = Trace([_first_token(logits[-1], temperature, gen)])
-    trace.verify_s += t - start
+    trace.prefill_s = t - start
     trace.draft_s += time.perf_counter() - t
     while len(trace.tokens) < max_new and trace.tokens[-1] not in eos:
         anchor = trace.tokens[-1]
@@ -160,8 +161,9 @@ def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperat
     verifier.reset()
     logits, _ = verifier.forward(prompt)
     tokens = [_first_token(_ban(logits, banned)[-1], temperature, gen)]
+    prefill_s = time.perf_counter() - start
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits, _ = verifier.forward([tokens[-1]])
         tokens.append(_first_token(_ban(logits, banned)[-1], temperature, gen))
     seconds = time.perf_counter() - start
-    return Trace(_finish(tokens, max_new, eos), seconds=seconds, verify_s=seconds)
+    return Trace(_finish(tokens, max_new, eos), seconds=seconds, prefill_s=prefill_s, verify_s=seconds - prefill_s)

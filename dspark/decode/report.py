@@ -36,7 +36,8 @@ def summarize(traces: list[Trace], n_spec: int) -> dict:
                       for k in range(n_spec)],
         "accepted_length_histogram": np.bincount(accepted, minlength=n_spec + 1).tolist(),
         "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else 0.0,
-        "draft_s": draft_s, "verify_s": verify_s,
+        "draft_s": draft_s, "verify_s": verify_s, "prefill_s": sum(t.prefill_s for t in traces),
+        "ms_per_draft": 1000 * draft_s / max(steps, 1), "ms_per_verify": 1000 * verify_s / max(steps, 1),
         "drafted_tokens_per_s": float(verified.sum()) / draft_s if draft_s else 0.0,
         "verified_tokens_per_s": float(verified.sum() + steps) / verify_s if verify_s else 0.0,
     }
@@ -60,6 +61,16 @@ def markdown(result: dict) -> str:
         lines.append(f"| {d['name']} | {s['requests']} | {s['drafts']} | {_rates(s)} | "
                      f"{s['mean_acceptance_length']:.2f} | {s['tokens_per_s']:.1f} | "
                      f"{d['verifier_only']['tokens_per_s']:.1f} | {d['speedup']:.2f}x |")
+    lines += ["", "Where the time goes (per verifier step, the prompt's forward left out): the speedup to expect is "
+              "the mean length times the verifier's cost per token alone, over the drafter's and the verifier's "
+              "cost per step.", "",
+              f"| dataset | drafter ms/step | verifier ms/step ({n + 1} tokens) | verifier ms/token alone | "
+              "expected speedup | measured |", "|---|---:|---:|---:|---:|---:|"]
+    for d in result["datasets"]:
+        s, alone = d["decoded"], d["verifier_only"]["ms_per_token"]
+        expected = s["mean_acceptance_length"] * alone / max(s["ms_per_draft"] + s["ms_per_verify"], 1e-9)
+        lines.append(f"| {d['name']} | {s['ms_per_draft']:.1f} | {s['ms_per_verify']:.1f} | {alone:.1f} | "
+                     f"{expected:.2f}x | {d['speedup']:.2f}x |")
     confident = [d for d in result["datasets"] if d.get("confident")]
     if confident:
         lines += ["", f"With the confidence head stopping each block where the running product of its "

@@ -111,10 +111,12 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
             datasets.append({"name": ps.name, **ps.summary(), "by_bucket": {}, "too_long": dict(ps.too_long)})
             continue
         decoded = summarize(runs["decoded"], n_spec)
-        base_tokens = sum(len(t.tokens) for t in runs["verifier_only"])
-        base_s = sum(t.seconds for t in runs["verifier_only"])
+        alone = runs["verifier_only"]
+        base_tokens, base_s = sum(len(t.tokens) for t in alone), sum(t.seconds for t in alone)
+        per_token = 1000 * sum(t.verify_s for t in alone) / max(base_tokens - len(alone), 1)  # after the prompt's
         entry = {"name": ps.name, **ps.summary(), "decoded": decoded,
-                 "verifier_only": {"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s},
+                 "verifier_only": {"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s,
+                                   "ms_per_token": per_token},
                  "speedup": decoded["tokens_per_s"] / (base_tokens / base_s),
                  "by_bucket": {k: summarize(v, n_spec) for k, v in by_sub.items()} if ps.longbench else {},
                  "too_long": dict(ps.too_long) if ps.longbench else {}}
