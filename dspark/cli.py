@@ -292,16 +292,19 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
     from dspark.evaluate import markdown, run_eval
 
+    if decode:  # its mistakes are one line before the teacher-forced pass, not after it
+        from dspark.decode.run import DecodeConfig
+
+        cfg = DecodeConfig(checkpoint, list(prompts), verifier_name_or_path, max_prompts, max_new_tokens, temperature,
+                           draft_sample, rejection, layout, num_speculative_tokens,
+                           None if no_confidence else confidence_threshold, dtype, seed, ignore_eos).validate()
     result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
     if decode:
         from dspark.decode.report import markdown as decode_markdown
-        from dspark.decode.run import DecodeConfig, run_decode
+        from dspark.decode.run import run_decode
 
-        cfg = DecodeConfig(checkpoint, list(prompts), verifier_name_or_path, max_prompts, max_new_tokens, temperature,
-                           draft_sample, rejection, layout, num_speculative_tokens,
-                           None if no_confidence else confidence_threshold, dtype, seed, ignore_eos)
         decoded, out = run_decode(cfg, teacher_forced=result, output=output, progress=not no_progress)
         click.echo(decode_markdown(decoded))
         click.echo(f"wrote {out}/decode.json, decode.md, decode.png")

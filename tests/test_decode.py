@@ -146,3 +146,6 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     none = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e2",
                    "--prompts", user_only, "--no-progress", check=False)
     assert none.returncode == 2 and "asks" in none.stderr and "Traceback" not in none.stderr
+    twice = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e3",
+                    "--prompts", user_only, "--prompts", f"asks={chat_file}", check=False)
+    assert twice.returncode == 2 and "named asks" in twice.stderr and "NAME=PATH" in twice.stderr

@@ -40,6 +40,7 @@ class Proposal:
 
 class Drafter:
     def __init__(self, model, layout: Layout = "dspark", num_speculative_tokens: int | None = None):
+        """`num_speculative_tokens`: dflash-v1 only (the dspark layout drafts what the checkpoint was trained to)."""
         self.model = model
         self.layout = layout
         cfg = model.config
@@ -52,8 +53,6 @@ class Drafter:
             self.num_speculative_tokens = (num_speculative_tokens or
                                            cfg.speculators_config.proposal_methods[0].speculative_tokens)
             self.slots = 1 + self.num_speculative_tokens
-        if num_speculative_tokens is not None and num_speculative_tokens != self.num_speculative_tokens:
-            raise ValueError(f"layout {layout} of this checkpoint drafts {self.num_speculative_tokens} tokens")
         self.markov = model.markov_head if layout == "dspark" else None
         self.confidence = model.confidence_head if layout == "dspark" else None
         self.dtype = next(model.parameters()).dtype

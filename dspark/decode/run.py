@@ -10,6 +10,7 @@ import torch
 
 from dspark.decode.drafter import DraftSample, Layout
 from dspark.decode.loop import Rejection
+from dspark.decode.prompts import parse_spec
 from dspark.errors import InputError
 
 
@@ -38,6 +39,10 @@ class DecodeConfig:
         if self.confidence_threshold is not None and not 0 < self.confidence_threshold <= 1:
             raise InputError(f"--confidence-threshold {self.confidence_threshold} is not in (0, 1]",
                              "pass a survival probability such as 0.5")
+        names = [parse_spec(spec)[0] for spec in self.prompts]
+        if len(set(names)) < len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise InputError(f"two --prompts sets are named {', '.join(twice)}", "name each one: --prompts NAME=PATH")
         if self.num_speculative_tokens is not None and self.layout == "dspark":
             raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
                              "drop it: the dspark layout drafts what the checkpoint was trained to draft")
@@ -50,14 +55,53 @@ def _sampling(cfg: DecodeConfig) -> str:
     return f"temperature {cfg.temperature}, {cfg.draft_sample} drafts, {cfg.rejection} rejection sampling"
 
 
-def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
-               progress: bool = True) -> tuple[dict, Path]:
+def _decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_confidence: bool, progress: bool) -> dict:
+    """One prompt set: each prompt decoded speculatively, by the verifier alone, and with confidence cuts."""
     from tqdm import tqdm
 
+    from dspark.decode.loop import autoregressive, speculative
+    from dspark.decode.prompts import context_bucket
+    from dspark.decode.report import summarize
+
+    n_spec = drafter.num_speculative_tokens
+    runs: dict[str, list] = defaultdict(list)
+    by_sub = defaultdict(list)
+    kw = dict(temperature=cfg.temperature, eos=eos, ignore_eos=cfg.ignore_eos)
+    spec_kw = dict(method=cfg.rejection, draft_sample=cfg.draft_sample, **kw)
+    for i, prompt in enumerate(tqdm(ps.prompts, desc=f"decode {ps.name}", unit="prompt", disable=not progress)):
+        ids = list(prompt.ids)
+        seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
+        runs["decoded"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), **spec_kw))
+        runs["verifier_only"].append(autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), **kw))
+        if use_confidence:
+            runs["confident"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(),
+                                                 confidence_threshold=cfg.confidence_threshold, **spec_kw))
+        by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(runs["decoded"][-1])
+    entry = {**ps.summary(), "by_bucket": {}, "too_long": dict(ps.too_long) if ps.longbench else {}}
+    if not runs["decoded"]:  # a LongBench set entirely beyond the verifier's length: only its buckets report
+        return entry
+    decoded = summarize(runs["decoded"], n_spec)
+    alone = runs["verifier_only"]
+    base_tokens, base_s = sum(len(t.tokens) for t in alone), sum(t.seconds for t in alone)
+    per_token = 1000 * sum(t.verify_s for t in alone) / max(base_tokens - len(alone), 1)  # after the prompt's
+    entry.update(decoded=decoded, speedup=decoded["tokens_per_s"] / (base_tokens / base_s),
+                 verifier_only={"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s,
+                                "ms_per_token": per_token})
+    if ps.longbench:
+        entry["by_bucket"] = {k: summarize(v, n_spec) for k, v in by_sub.items()}
+    if cfg.temperature == 0:  # greedy speculative decoding must reproduce the verifier's own output
+        entry["outputs_equal_verifier_only"] = sum(a.tokens == b.tokens for a, b in zip(runs["decoded"], alone))
+    if use_confidence:
+        entry["confident"] = summarize(runs["confident"], n_spec)
+    return entry
+
+
+def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
+               progress: bool = True) -> tuple[dict, Path]:
     from dspark.decode.drafter import Drafter
     from dspark.decode.loop import autoregressive, speculative
-    from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set
-    from dspark.decode.report import long_context_rows, markdown, plot, summarize
+    from dspark.decode.prompts import LONG_BUCKETS, load_prompt_set
+    from dspark.decode.report import long_context_rows, markdown, plot
     from dspark.decode.verifier import Verifier
     from dspark.evaluate import load_checkpoint, write_report
     from dspark.prepare import load_tokenizer
@@ -75,61 +119,24 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     device = torch.device("cpu")
     model = load_checkpoint(ckpt, verifier_path, device).to(getattr(torch, cfg.dtype))
     verifier_path = model.config.speculators_config.verifier.name_or_path
-    try:
-        drafter = Drafter(model, cfg.layout, cfg.num_speculative_tokens)
-    except ValueError as e:
-        raise InputError(str(e), "drop --num-speculative-tokens") from None
+    drafter = Drafter(model, cfg.layout, cfg.num_speculative_tokens)
     verifier = Verifier(verifier_path, model.target_layer_ids, cfg.dtype, device)
     tokenizer = load_tokenizer(verifier_path)
     eos = {tokenizer.eos_token_id} - {None}
-    n_spec = drafter.num_speculative_tokens
     use_confidence = cfg.confidence_threshold is not None and drafter.confidence is not None
 
-    datasets, warm = [], False
+    datasets = []
     for spec in specs:
         ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + drafter.slots)
-        if ps.prompts and not warm:  # one-time costs (allocator, kernels' first calls) stay out of the timings
+        if ps.prompts and not any("decoded" in d for d in datasets):  # one-time costs (allocator, kernels' first calls) stay out of the timings
             speculative(verifier, drafter, list(ps.prompts[0].ids), 4)
             autoregressive(verifier, list(ps.prompts[0].ids), 4)
-            warm = True
-        runs: dict[str, list] = defaultdict(list)
-        by_sub = defaultdict(list)
-        for i, prompt in enumerate(tqdm(ps.prompts, desc=f"decode {ps.name}", unit="prompt", disable=not progress)):
-            kw = dict(temperature=cfg.temperature, eos=eos, ignore_eos=cfg.ignore_eos)
-            seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
-            spec_kw = dict(method=cfg.rejection, draft_sample=cfg.draft_sample, **kw)
-            trace = speculative(verifier, drafter, list(prompt.ids), cfg.max_new_tokens, gen=seeded(), **spec_kw)
-            base = autoregressive(verifier, list(prompt.ids), cfg.max_new_tokens, gen=seeded(), **kw)
-            runs["decoded"].append(trace)
-            runs["verifier_only"].append(base)
-            if use_confidence:
-                runs["confident"].append(speculative(verifier, drafter, list(prompt.ids), cfg.max_new_tokens,
-                                                     confidence_threshold=cfg.confidence_threshold, gen=seeded(),
-                                                     **spec_kw))
-            by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(trace)
-        if not runs["decoded"]:
-            datasets.append({"name": ps.name, **ps.summary(), "by_bucket": {}, "too_long": dict(ps.too_long)})
-            continue
-        decoded = summarize(runs["decoded"], n_spec)
-        alone = runs["verifier_only"]
-        base_tokens, base_s = sum(len(t.tokens) for t in alone), sum(t.seconds for t in alone)
-        per_token = 1000 * sum(t.verify_s for t in alone) / max(base_tokens - len(alone), 1)  # after the prompt's
-        entry = {"name": ps.name, **ps.summary(), "decoded": decoded,
-                 "verifier_only": {"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s,
-                                   "ms_per_token": per_token},
-                 "speedup": decoded["tokens_per_s"] / (base_tokens / base_s),
-                 "by_bucket": {k: summarize(v, n_spec) for k, v in by_sub.items()} if ps.longbench else {},
-                 "too_long": dict(ps.too_long) if ps.longbench else {}}
-        if cfg.temperature == 0:  # greedy speculative decoding must reproduce the verifier's own output
-            entry["outputs_equal_verifier_only"] = sum(
-                a.tokens == b.tokens for a, b in zip(runs["decoded"], runs["verifier_only"]))
-        if use_confidence:
-            entry["confident"] = summarize(runs["confident"], n_spec)
-        datasets.append(entry)
+        datasets.append(_decode_set(cfg, ps, verifier, drafter, eos, use_confidence, progress))
 
     long_sets = [d for d in datasets if d["by_bucket"] or d["too_long"]]
     result = {"checkpoint": str(ckpt), "verifier": str(verifier_path), "layout": cfg.layout,
-              "num_speculative_tokens": n_spec, "sampling": _sampling(cfg), "max_new_tokens": cfg.max_new_tokens,
+              "num_speculative_tokens": drafter.num_speculative_tokens, "sampling": _sampling(cfg),
+              "max_new_tokens": cfg.max_new_tokens,
               "confidence_threshold": cfg.confidence_threshold if use_confidence else None,
               "config": asdict(cfg), "datasets": [d for d in datasets if "decoded" in d],
               "long_buckets": LONG_BUCKETS, "long_context": long_context_rows(long_sets, LONG_BUCKETS)}

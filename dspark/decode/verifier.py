@@ -49,5 +49,6 @@ class Verifier:
 
     def rewind(self, length: int) -> None:
         """Keep the first `length` positions of the cache (the verified tokens)."""
-        self.cache.crop(length)
+        if length < self.length:  # transformers deprecates crop(keep) for crop(-drop)
+            self.cache.crop(length - self.length)
         self.length = length
