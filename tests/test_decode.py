@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli, train_cfg, write_jsonl
-from dspark.decode.drafter import Drafter
+from dspark.decode.drafter import Drafter, Proposal
 from dspark.decode.loop import accept, autoregressive, speculative
 from dspark.decode.report import summarize
 from dspark.decode.verifier import Verifier
@@ -62,10 +62,12 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
     model, v = decoder
     drafter = Drafter(model, layout)
     traces = []
-    for prompt in _prompts(prepared, 4):
-        spec = speculative(v, drafter, prompt, 40, confidence_threshold=threshold)
-        assert spec.tokens == autoregressive(v, prompt, 40).tokens
-        # every step yields its accepted drafts and one token of the verifier's; the last may be cut at 40
+    eos = {v.model.config.eos_token_id}
+    for prompt in _prompts(prepared, 6):
+        spec = speculative(v, drafter, prompt, 40, confidence_threshold=threshold, eos=eos)
+        assert spec.tokens == autoregressive(v, prompt, 40, eos=eos).tokens
+        # every step yields its accepted drafts and one token of the verifier's; the last step may pass
+        # 40 or a stop token, and is cut there: no step runs after the output is complete
         produced = [a + 1 for a in spec.accepted]
         assert 1 + sum(produced[:-1]) < len(spec.tokens) <= 1 + sum(produced)
         assert all(0 <= a <= n <= drafter.num_speculative_tokens for a, n in zip(spec.accepted, spec.verified))
@@ -81,6 +83,39 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
         assert s["draft_tokens"] == s["drafts"] * drafter.num_speculative_tokens
     if layout == "dspark" and threshold is None:
         assert s["positions"][0]["rate"] > 0.2  # a trained drafter, drafting in its trained layout
+    assert sum(t.tokens[-1] in eos for t in traces) >= 3  # most replies end with the stop token, not at 40
+
+
+class _Oracle:
+    """Drafts the verifier's own greedy continuation, so every draft is accepted up to the stop token."""
+
+    num_speculative_tokens, confidence = 4, None
+
+    def __init__(self, reference: list[int], prompt_len: int):
+        self.reference, self.prompt_len = reference, prompt_len
+
+    def context(self, states):
+        return states
+
+    def propose(self, ctx, anchor, *_, **__):
+        done = ctx.shape[0] - self.prompt_len + 1  # output tokens so far: the context stops before the anchor
+        nxt = (self.reference[done:] + [0] * 4)[:4]
+        return Proposal(torch.tensor(nxt), None, None)
+
+
+def test_a_stop_token_among_accepted_drafts_ends_the_request(decoder, prepared):
+    model, v = decoder
+    eos = {v.model.config.eos_token_id}
+    for prompt in _prompts(prepared, 8):
+        reference = autoregressive(v, prompt, 64, eos=eos).tokens
+        if reference[-1] in eos and (len(reference) - 1) % 5:  # the stop token falls inside a block
+            break
+    else:
+        pytest.skip("no reply ends mid-block here")
+    spec = speculative(v, _Oracle(reference, len(prompt)), prompt, 64, eos=eos)
+    assert spec.tokens == reference
+    assert spec.accepted[:-1] == [4] * (len(spec.accepted) - 1)
+    assert len(spec.accepted) == -(-(len(reference) - 1) // 5)  # no step after the output is complete
 
 
 @pytest.mark.parametrize("method", ["block", "standard"])

@@ -126,7 +126,8 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     trace = Trace([_first_token(logits[-1], temperature, gen)])
     trace.prefill_s = t - start
     trace.draft_s += time.perf_counter() - t
-    while len(trace.tokens) < max_new and trace.tokens[-1] not in eos:
+    done = trace.tokens[0] in eos
+    while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
         t = time.perf_counter()
         prop = drafter.propose(ctx, anchor, temperature, gen, draft_sample)
@@ -143,7 +144,9 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
         t2 = time.perf_counter()
         ctx = torch.cat([ctx, drafter.context(states[: 1 + a])])
-        trace.tokens += [*drafts[:a].tolist(), nxt]
+        step = [*drafts[:a].tolist(), nxt]
+        trace.tokens += step
+        done = not eos.isdisjoint(step)  # a stop token among the accepted drafts ends the request too
         trace.verified.append(n)
         trace.accepted.append(a)
         trace.draft_s += (t1 - t) + (time.perf_counter() - t2)
