@@ -17,11 +17,14 @@ dspark extract --to zarr --model "$D/models/tiny" --data "$D/prepared/demo" \
 dspark store info "$D/stores/demo"
 dspark train --config scripts/configs/demo.yaml --from zarr --store "$D/stores/demo" \
     --data-path "$D/prepared/demo" --verifier-name-or-path "$D/models/tiny" --save-path "$D/runs/demo"
+# Held-out prompt sets, one per task (another seed than the training data), and a LongBench-format file.
+.venv/bin/python scripts/make_demo_chat.py --tasks "$D/prompts/tasks"
 dspark longbench --output "$D/prompts/longbench.jsonl" --model "$D/models/tiny" --lengths 1024 2048 8192 \
     --per-length 1
 # Teacher-forced acceptance on the store, then real speculative decoding (greedy, as vLLM's DSpark
-# speculator drafts) on the chat prompts and the long-context file, against the verifier alone.
-dspark eval --checkpoint "$D/runs/demo/latest" --decode --prompts chat="$DATA" \
+# speculator drafts) on each prompt set, against the verifier alone.
+dspark eval --checkpoint "$D/runs/demo/latest" --decode --prompts "$D/prompts/tasks/arithmetic.jsonl" \
+    --prompts "$D/prompts/tasks/spelling.jsonl" --prompts "$D/prompts/tasks/echo.jsonl" \
     --prompts longbench="$D/prompts/longbench.jsonl" --max-prompts 10 --max-new-tokens 64 --no-progress
 # After eval, so the model card embeds its tables and plots.
 dspark export "$D/runs/demo/latest" --output "$D/export/demo" --verifier-name dspark/tiny-verifier

@@ -76,5 +76,24 @@ def main(out: Path, n: int = 400, seed: int = 0) -> None:
     print(f"wrote {n} conversations to {out}")
 
 
+def tasks(out: Path, n: int = 10, seed: int = 1) -> None:
+    """One prompt set per template, from another seed than the training data: the demo's decode table
+    compares tasks the way a drafter card compares datasets. Spelling is written as ShareGPT."""
+    out.mkdir(parents=True, exist_ok=True)
+    r = random.Random(seed)
+    for template in (arithmetic, spelling, echo):
+        pairs = [template(r) for _ in range(n)]
+        if template is spelling:
+            records = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in pairs]
+        else:
+            records = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+                       for q, a in pairs]
+        (out / f"{template.__name__}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in records))
+    print(f"wrote {n} prompts per task to {out}: arithmetic, spelling (ShareGPT), echo")
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parents[1] / "dspark/assets/demo_chat.jsonl")
+    if sys.argv[1:2] == ["--tasks"]:
+        tasks(Path(sys.argv[2]))
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parents[1] / "dspark/assets/demo_chat.jsonl")

@@ -46,6 +46,12 @@ def _sample(p: torch.Tensor, gen: torch.Generator | None) -> int:
     return int(torch.multinomial(p, 1, generator=gen)[0])
 
 
+def _resample(residual: torch.Tensor, p: torch.Tensor, gen: torch.Generator | None) -> int:
+    """A rejected position's token from the residual mass; p itself when rounding left none (p == q)."""
+    residual = torch.clamp(residual, min=0)
+    return _sample(residual if float(residual.sum()) > 0 else p, gen)
+
+
 def _uniform(gen: torch.Generator | None) -> float:
     return float(torch.rand((), generator=gen))
 
@@ -65,7 +71,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
         for i in range(n):
             d = int(drafts[i])
             if not p[i, d] > _uniform(gen) * q[i, d]:
-                return i, _sample(torch.clamp(p[i] - q[i], min=0), gen)
+                return i, _resample(p[i] - q[i], p[i], gen)
         return n, _sample(p[n], gen)
     # block verification: c_i = min(1, c_{i-1} p_i(d_i) / q_i(d_i)), and position i passes with
     # probability h_i, the mass the next position could still repair over what rejecting costs.
@@ -85,7 +91,7 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
     if a == n:
         return a, _sample(p[n], gen)
     c_prev = cs[a - 1] if a > 0 else 1.0
-    return a, _sample(torch.clamp(c_prev * p[a] - q[a], min=0), gen)
+    return a, _resample(c_prev * p[a] - q[a], p[a], gen)
 
 
 def confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
