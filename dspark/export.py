@@ -19,15 +19,10 @@ import shutil
 from pathlib import Path
 
 from dspark.errors import InputError
-from dspark.model_card import FIGURES, docker_command, render, serve_command, speculative_config, terminal_note
+from dspark.model_card import FIGURES, docker_command, render, serve_command, terminal_note
 
 # The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
 EXPORT_FILES = {"config.json", "model.safetensors", "README.md", *FIGURES}
-
-
-def vllm_command(verifier: str, export_dir: str, num_speculative_tokens: int) -> str:
-    """The bare `vllm serve` line; `method: dspark` also needs VLLM_USE_V2_MODEL_RUNNER=1 (`serve_command`)."""
-    return f"vllm serve {verifier} --speculative-config '{speculative_config(export_dir, num_speculative_tokens)}'"
 
 
 def _absolute_paths(obj, where="config") -> list[str]:
