@@ -33,8 +33,10 @@ export MODEL=$W/models/tiny DATA_PATH=$W/prepared TARGET_LAYER_IDS="1 3 5" EXTRA
   TRAIN_ARGS="--max-anchors 64 --markov-rank 32 --enable-confidence-head --confidence-head-with-markov --checkpoint-freq 0.25 --log-freq 5 --seed 0"
 echo "toy inputs ready in $((SECONDS - t0))s ($W)"
 
-# servers_left: the job's servers still running anywhere on this node (none may outlive a job).
-servers_left() { pgrep -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true; }
+# servers_left: the job's servers still running anywhere on this node (none may outlive a job). A zombie
+# (defunct: exited, its exit status not yet collected by whoever inherited it) holds no port or memory and
+# is not a server left running; CI once caught vLLM's two in the instant before they were reaped.
+servers_left() { pgrep -r R,S,D,T,t,I -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true; }
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 wait_gone() { for _ in $(seq 120); do case $(job_state "$1") in PENDING|RUNNING|COMPLETING) sleep 1 ;; *) return 0 ;; esac; done; fail "job $1 did not end"; }
 checkpoints() { ls -d "$1"/checkpoints/step-* 2>/dev/null | wc -l; }
