@@ -89,33 +89,32 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
 class _Oracle:
     """Drafts the verifier's own greedy continuation, so every draft is accepted up to the stop token."""
 
-    num_speculative_tokens, confidence = 4, None
+    confidence = None
 
-    def __init__(self, reference: list[int], prompt_len: int):
-        self.reference, self.prompt_len = reference, prompt_len
+    def __init__(self, reference: list[int], prompt_len: int, n: int):
+        self.reference, self.prompt_len, self.num_speculative_tokens = reference, prompt_len, n
 
     def context(self, states):
         return states
 
     def propose(self, ctx, anchor, *_, **__):
         done = ctx.shape[0] - self.prompt_len + 1  # output tokens so far: the context stops before the anchor
-        nxt = (self.reference[done:] + [0] * 4)[:4]
-        return Proposal(torch.tensor(nxt), None, None)
+        n = self.num_speculative_tokens
+        return Proposal(torch.tensor((self.reference[done:] + [0] * n)[:n]), None, None)
 
 
 def test_a_stop_token_among_accepted_drafts_ends_the_request(decoder, prepared):
     model, v = decoder
     eos = {v.model.config.eos_token_id}
-    for prompt in _prompts(prepared, 8):
-        reference = autoregressive(v, prompt, 64, eos=eos).tokens
-        if reference[-1] in eos and (len(reference) - 1) % 5:  # the stop token falls inside a block
-            break
-    else:
-        pytest.skip("no reply ends mid-block here")
-    spec = speculative(v, _Oracle(reference, len(prompt)), prompt, 64, eos=eos)
+    prompt = _prompts(prepared, 1)[0]
+    reference = autoregressive(v, prompt, 64, eos=eos).tokens
+    assert reference[-1] in eos, "the fixture's verifier should end this reply with its stop token"
+    # a block size that puts the stop token inside a block: a step yields n accepted drafts + 1
+    n = next(n for n in range(3, 10) if (len(reference) - 1) % (n + 1))
+    spec = speculative(v, _Oracle(reference, len(prompt), n), prompt, 64, eos=eos)
     assert spec.tokens == reference
-    assert spec.accepted[:-1] == [4] * (len(spec.accepted) - 1)
-    assert len(spec.accepted) == -(-(len(reference) - 1) // 5)  # no step after the output is complete
+    assert spec.accepted[:-1] == [n] * (len(spec.accepted) - 1)
+    assert len(spec.accepted) == -(-(len(reference) - 1) // (n + 1))  # no step after the output is complete
 
 
 @pytest.mark.parametrize("method", ["block", "standard"])

@@ -99,13 +99,6 @@ def confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
     return int((confidence.double().cumprod(0) >= threshold).sum())
 
 
-def _ban(logits: torch.Tensor, banned: set[int]) -> torch.Tensor:
-    """vLLM's `ignore_eos`: the stop tokens cannot be sampled at all, so every request runs to max_new."""
-    if banned:
-        logits[..., list(banned)] = float("-inf")
-    return logits
-
-
 def _first_token(logits: torch.Tensor, temperature: float, gen) -> int:
     return int(logits.argmax()) if temperature == 0 else _sample(_probs(logits, temperature), gen)
 
@@ -123,10 +116,8 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
                 confidence_threshold: float | None = None, gen: torch.Generator | None = None,
                 draft_sample: DraftSample = "probabilistic") -> Trace:
     start = time.perf_counter()
-    banned = set(eos) if ignore_eos else set()
-    verifier.reset()
+    verifier.reset(eos if ignore_eos else set())  # vLLM's ignore_eos: stop tokens are never sampled
     logits, states = verifier.forward(prompt)
-    _ban(logits, banned)
     t = time.perf_counter()
     ctx = drafter.context(states)
     trace = Trace([_first_token(logits[-1], temperature, gen)])
@@ -144,9 +135,8 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         t1 = time.perf_counter()
         base = verifier.length
         logits, states = verifier.forward(torch.cat([torch.tensor([anchor]), drafts.cpu()]))
-        _ban(logits, banned)
-        a, nxt = accept(logits, drafts.to(logits.device), None if prop.probs is None else prop.probs[:n].to(logits.device),
-                        temperature, method, gen)
+        probs = None if prop.probs is None else prop.probs[:n].to(logits.device)
+        a, nxt = accept(logits, drafts.to(logits.device), probs, temperature, method, gen)
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
         t2 = time.perf_counter()
         ctx = torch.cat([ctx, drafter.context(states[: 1 + a])])
@@ -166,13 +156,12 @@ def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperat
                    eos: set[int] = frozenset(), ignore_eos: bool = False, gen: torch.Generator | None = None) -> Trace:
     """The verifier decoding alone, one token per forward: the output and speed to compare against."""
     start = time.perf_counter()
-    banned = set(eos) if ignore_eos else set()
-    verifier.reset()
+    verifier.reset(eos if ignore_eos else set())
     logits, _ = verifier.forward(prompt)
-    tokens = [_first_token(_ban(logits, banned)[-1], temperature, gen)]
+    tokens = [_first_token(logits[-1], temperature, gen)]
     prefill_s = time.perf_counter() - start
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits, _ = verifier.forward([tokens[-1]])
-        tokens.append(_first_token(_ban(logits, banned)[-1], temperature, gen))
+        tokens.append(_first_token(logits[-1], temperature, gen))
     seconds = time.perf_counter() - start
     return Trace(_finish(tokens, max_new, eos), seconds=seconds, prefill_s=prefill_s, verify_s=seconds - prefill_s)
