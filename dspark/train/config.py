@@ -56,6 +56,9 @@ class TrainConfig:
     confidence_head_alpha: float = setting(1.0, ge=0)
     loss_fn: str = setting('{"ce": 0.1, "tv": 0.9}', "A loss name or a JSON map of loss names to weights.")
     optimizer: Literal["muon", "adamw"] = setting("muon", "muon: Muon for hidden 2-D weights, AdamW for the rest.")
+    muon_ns_dtype: Literal["auto", "bf16", "fp32"] = setting(
+        "auto", "Muon's Newton-Schulz dtype. auto: bf16 where its matmuls are fast (CUDA; CPUs with AVX512-BF16 "
+                "or AMX), else fp32.")
     lr: float = setting(1e-3, gt=0)
     weight_decay: float = setting(0.0, ge=0)
     scheduler_type: Literal["cosine", "linear", "none"] = setting("cosine")

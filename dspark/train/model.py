@@ -10,6 +10,7 @@ import torch
 from dspark.errors import InputError
 from dspark.prepare import PreparedData, load_tokenizer
 from dspark.train.config import TrainConfig
+from dspark.train.muon import Muon, ns_dtype_for
 
 
 def attn_impl(device: torch.device) -> str:
@@ -86,7 +87,9 @@ def build_optimizers(model, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     if cfg.optimizer == "muon":
         muon = [p for n, p in params if _muon_param(n, p)]
         rest = [p for n, p in params if not _muon_param(n, p)]
-        return [torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        device = next(model.parameters()).device
+        return [Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw",
+                     ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device)),
                 torch.optim.AdamW(rest, lr=cfg.lr, weight_decay=cfg.weight_decay)]
     return [torch.optim.AdamW([p for _, p in params], lr=cfg.lr, weight_decay=cfg.weight_decay)]
 
