@@ -143,6 +143,8 @@ class Trainer:
         # Metric sums since the last log point; checkpointed, so a resume between log points
         # logs the same window an uninterrupted run does.
         self.window: dict[str, float] = {}
+        # Where fit()'s time went, for benchmarks (scripts/bench_train.py); never logged or compared.
+        self.timing = {"step_s": 0.0, "data_wait_s": 0.0, "validate_s": [], "save_s": []}
         self._start_or_resume(force)
         self.saved_step = self.state["step"]  # the step of the latest checkpoint
         self.log = MetricLog(self.run.metrics_path) if self.dist.main else None
@@ -218,6 +220,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
         """Validation under a fixed seed (anchor sampling is random) that leaves the training RNG untouched."""
+        start = time.perf_counter()
         self.model.eval()
         acc: dict[str, float] = {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -227,6 +230,7 @@ class Trainer:
                 with self._autocast():
                     _, _, metrics = self.model(**_to_device(batch, self.device), **self.loss_kw)
                 accumulate(acc, metrics)
+        self.timing["validate_s"].append(time.perf_counter() - start)
         return reduce(all_reduce(acc, self.device))
 
     def checkpoint(self, validate: bool = True) -> None:
@@ -241,6 +245,7 @@ class Trainer:
 
             mine, ranks = ranks[0], [None] * self.dist.world
             dist.all_gather_object(ranks, mine)
+        start = time.perf_counter()
         if self.dist.main:
             if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on
                 self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint()})
@@ -251,6 +256,7 @@ class Trainer:
                 "state": dict(self.state), "rng": [r for r, _ in ranks], "windows": [w for _, w in ranks],
                 "optimizers": [o.state_dict() for o in self.opts],
                 "schedulers": [s.state_dict() for s in self.scheds]}, best)
+        self.timing["save_s"].append(time.perf_counter() - start)
         self.saved_step = self.state["step"]
         if self.dist.world > 1:
             torch.distributed.barrier()
@@ -303,6 +309,8 @@ class Trainer:
                     self.checkpoint()
                 if st["step"] >= stop_at:
                     break
+            self.timing["step_s"] += compute
+            self.timing["data_wait_s"] += loader.wait_seconds
         if st["step"] != self.saved_step:  # stopped by --max-steps: resumable from exactly here
             self.checkpoint(validate=False)
         bar.close()
