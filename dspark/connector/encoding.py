@@ -26,23 +26,39 @@ def bytes_per_token(num_layers: int, hidden_size: int, encoding: str, dtype: str
     return num_layers * hidden_size * stored_numpy_dtype(encoding, dtype).itemsize
 
 
+def _pieces(rows: int, width: int):
+    """Row slices of ~256K elements: each piece's temporaries stay in cache (3-5x faster than whole passes)."""
+    step = max(1, (1 << 18) // width)
+    return (slice(a, a + step) for a in range(0, rows, step))
+
+
 def encode(hidden: torch.Tensor, encoding: str) -> tuple[np.ndarray, np.ndarray | None]:
     """`hidden [T, L, H]` -> (payload bits [T, L, H], fp32 scales [T, L] or None)."""
     hidden = hidden.detach().cpu().contiguous()
     if encoding == "raw":
         return hidden.view(_BITS[hidden.dtype]).numpy(), None
-    x = hidden.float()
-    scales = (x.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-    q = (x / scales.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return q.view(torch.uint8).numpy(), scales.numpy()
+    x = hidden.reshape(-1, hidden.shape[-1])
+    scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    for p in _pieces(*x.shape):
+        q[p] = x[p].float() / scales[p]
+    return q.view(torch.uint8).view(hidden.shape).numpy(), scales.view(hidden.shape[:-1]).numpy()
 
 
 def decode(payload: np.ndarray, scales: np.ndarray | None, encoding: str, dtype: str) -> torch.Tensor:
     t = torch.from_numpy(np.ascontiguousarray(payload))
     if encoding == "raw":
         return t.view(torch_dtype(dtype))
-    x = t.view(torch.float8_e4m3fn).float() * torch.from_numpy(np.ascontiguousarray(scales)).unsqueeze(-1)
-    return x.to(torch_dtype(dtype))
+    q = t.reshape(-1, t.shape[-1])
+    s = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(-1, 1) * 256
+    out = torch.empty(q.shape, dtype=torch_dtype(dtype))
+    for p in _pieces(*q.shape):
+        i = q[p].to(torch.int16)
+        # e4m3 bits -> the float16 bits of the same value / 2**8: exact for every finite code, subnormals
+        # included, and float16 -> float32 is a vectorized conversion (float8's is not: ~5x slower)
+        f16 = ((i & 0x7F) << 7) | ((i & 0x80) << 8)
+        out[p] = f16.view(torch.float16).float() * s[p]
+    return out.view(t.shape)
 
 
 def sample_crc(token_ids: np.ndarray, payload: np.ndarray, scales: np.ndarray | None) -> int:
