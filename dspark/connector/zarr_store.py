@@ -222,9 +222,14 @@ class _Segment:
                 self._cache.popitem(last=False)
         return block
 
-    def read(self, name: str, start: int, length: int) -> np.ndarray | None:
+    def read(self, name: str, start: int, length: int, crc: int | None = None) -> tuple[np.ndarray | None, int | None]:
+        """Tokens [start, start+length) of array `name`, and `crc` carried on over their bytes (None: not computed).
+
+        The checksum is taken piece by piece as each chunk is decoded, while its bytes
+        are still in cache, instead of a second pass over the whole sample.
+        """
         if name not in self.arrays:
-            return None
+            return None, crc
         a, C = self.arrays[name], self.chunk_tokens
         out = np.empty((length, *a.chunk_shape[1:]), a.dtype)
         chunks = range(start // C, (start + length - 1) // C + 1)
@@ -234,14 +239,17 @@ class _Segment:
                 files.append(a.open_chunk(c))
             for c, f in zip(chunks, files):
                 lo, hi = max(start, c * C), min(start + length, (c + 1) * C)
+                piece = out[lo - start : hi - start]
                 if hi - lo == C:
-                    a.decode(c, f, out[lo - start : hi - start])
+                    a.decode(c, f, piece)
                 else:
-                    out[lo - start : hi - start] = self._cached(name, c, f)[lo - c * C : hi - c * C]
+                    piece[...] = self._cached(name, c, f)[lo - c * C : hi - c * C]
+                if crc is not None:
+                    crc = zlib.crc32(piece.data, crc)
         finally:
             for f in files:
                 f.close()
-        return out
+        return out, crc
 
 
 class ZarrStore(Source):
@@ -312,10 +320,14 @@ class ZarrStore(Source):
                 self._segments[name] = _Segment(self.root / "segments" / name, self._fp8)
             return self._segments[name]
 
-    def _read_entry(self, e: IndexEntry):
+    def _read_entry(self, e: IndexEntry, check: bool):
+        """(tokens, payload, scales, whether they match the record's checksum; True unchecked)."""
         seg = self._segment(e.segment)
-        tokens = seg.read("token_ids", e.start, e.length).astype(np.int64)
-        return tokens, seg.read("hidden", e.start, e.length), seg.read("scales", e.start, e.length)
+        tokens = seg.read("token_ids", e.start, e.length)[0].astype(np.int64)
+        crc = zlib.crc32(tokens.data) if check else None  # the order of `sample_crc`: tokens, payload, scales
+        payload, crc = seg.read("hidden", e.start, e.length, crc)
+        scales, crc = seg.read("scales", e.start, e.length, crc)
+        return tokens, payload, scales, not check or crc == e.crc
 
     def _read_raw(self, sample_id: int, check: bool = True):
         """(record, tokens, payload, scales) of the first record that reads back whole, else DamagedSample.
@@ -334,14 +346,14 @@ class ZarrStore(Source):
         problems = []
         for e in records:
             try:
-                tokens, payload, scales = self._read_entry(e)
+                tokens, payload, scales, intact = self._read_entry(e, check)
             except _ChunkDamaged as exc:
                 problems.append(str(exc))
                 continue
             except Exception as exc:  # an undecodable chunk is damage, whatever zarr raises
                 problems.append(f"unreadable: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
-            if check and sample_crc(tokens, payload, scales) != e.crc:
+            if not intact:
                 problems.append("checksum mismatch")
                 continue
             if len(records) > 1:
