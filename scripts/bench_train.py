@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python scripts/bench_train.py                      # the demo's settings and data
     OMP_NUM_THREADS=2 python scripts/bench_train.py --ns-dtype bf16 fp32  # Muon's Newton-Schulz, before/after
+    OMP_NUM_THREADS=2 python scripts/bench_train.py --set keep_in_memory_gib=0  # samples read every epoch
 
 (A) bare: the model, optimizers and schedules from the project's builders (dspark/train/model.py),
     the same batches collated in memory beforehand, then per batch only forward + loss, backward,
@@ -10,12 +11,16 @@
     (its setup, building the Trainer, is not timed): loader, metrics, logging, validation, checkpoints.
 
 Arms alternate (A B, then B A, ...) --reps times per dtype; medians are printed, with the loop's time
-waiting for data and its validation and save seconds per checkpoint. Asserts nothing.
+waiting for data and its validation and save seconds per checkpoint. On a shared machine other
+processes' load swamps the difference (a 2-thread step on 2 cores slows by 2-20x when a core is
+taken), so each arm first waits (--quiet-wait) for the cores to be free, and the share of the
+cores others used during each arm is printed with it. Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -28,22 +33,53 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def busy_seconds() -> float:
+    """CPU seconds every process on the machine has used (Linux /proc/stat), for telling a disturbed rep."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Others:
+    """The share of the machine's cores that other processes used while an arm ran."""
+
+    def __enter__(self):
+        self.t, self.busy, self.mine = time.perf_counter(), busy_seconds(), time.process_time()
+        return self
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self.t
+        others = busy_seconds() - self.busy - (time.process_time() - self.mine)
+        self.share = max(0.0, others) / (wall * os.cpu_count())
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.1) -> None:
+    """Wait (up to max_wait s) until other processes use under `threshold` of the cores for a second."""
+    deadline = time.perf_counter() + max_wait
+    while time.perf_counter() < deadline:
+        with Others() as o:
+            time.sleep(1.0)
+        if o.share < threshold:
+            return
+
+
 def config(args):
     from dspark.train.config import TrainConfig
 
     data = yaml.safe_load(Path(args.config).read_text())
     data.update(data_path=args.data_path, store=args.store, verifier_name_or_path=args.verifier, source="zarr",
-                save_path="unused", **dict(kv.split("=", 1) for kv in args.set))
+                save_path="unused",
+                **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)})
     return TrainConfig.from_dict(data, "bench_train.py").validate()
 
 
-def preload(cfg, steps: int):
+def preload(cfg, steps: int | None):
     """The first `steps` batches of the run's own plan, collated and on the device, and the run's step count."""
     from dspark.train.loop import Trainer, _to_device
 
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(replace(cfg, save_path=tmp), progress=False)
-        plan = [b for epoch in tr.epoch_plan for b in epoch][:steps]
+        plan = [b for epoch in tr.epoch_plan for b in epoch][:steps]  # steps=None: the whole run
         batches = [_to_device(tr.data.collate([tr.data.read(i) for i in b]), tr.device) for b in plan]
         tr.source.close()
         return [b for b in batches if b is not None], tr.total_steps, tr.device, tr.prepared
@@ -63,7 +99,7 @@ def bare(cfg, batches, total_steps, device, prepared) -> float:
         "cpu", enabled=False)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for batch in batches:
         with autocast:
             _, loss, _ = model(**batch, **kw)
@@ -75,17 +111,17 @@ def bare(cfg, batches, total_steps, device, prepared) -> float:
         for s in scheds:
             s.step()
     sync()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def loop(cfg, steps: int) -> tuple[float, dict, int]:
+def loop(cfg, steps: int) -> tuple[float, float, dict, int]:
     from dspark.train.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(replace(cfg, save_path=tmp, max_steps=steps), progress=False)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = tr.fit()
-        return time.perf_counter() - start, tr.timing, out["steps"]
+        return time.perf_counter() - start, time.process_time() - cpu, tr.timing, out["steps"]
 
 
 def main():
@@ -94,10 +130,12 @@ def main():
     ap.add_argument("--store", default="cache/stores/demo")
     ap.add_argument("--data-path", default="cache/prepared/demo")
     ap.add_argument("--verifier", default="cache/models/tiny")
-    ap.add_argument("--steps", type=int, default=None, help="Steps per arm (default: one epoch).")
+    ap.add_argument("--steps", type=int, default=None, help="Steps per arm (default: the whole run, every epoch).")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ns-dtype", nargs="+", default=["auto"], choices=["auto", "bf16", "fp32"],
                     help="Muon's Newton-Schulz dtype(s): each one is benchmarked, interleaved with the others.")
+    ap.add_argument("--quiet-wait", type=float, default=30.0,
+                    help="Before each arm, wait up to this many seconds for other processes to leave the cores.")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config overrides (strings, as in a YAML file), e.g. num_workers=1.")
     args = ap.parse_args()
@@ -111,41 +149,49 @@ def main():
     except ImportError:
         pass
     cfg = config(args)
-    steps = args.steps
-    if steps is None:
-        from dspark.prepare import PreparedData  # noqa: F401
-        from dspark.train.loop import Trainer
-
-        with tempfile.TemporaryDirectory() as tmp:
-            probe = Trainer(replace(cfg, save_path=tmp), progress=False)
-            steps = len(probe.epoch_plan[0])
-            probe.source.close()
-    batches, total_steps, device, prepared = preload(cfg, steps)
+    batches, total_steps, device, prepared = preload(cfg, args.steps)
     print(f"{len(batches)} steps per arm, {args.reps} reps, torch threads {torch.get_num_threads()}, "
           f"config {args.config}", flush=True)
-    res = {d: {"bare": [], "loop": [], "wait": [], "val": [], "save": []} for d in args.ns_dtype}
+    for d in args.ns_dtype:  # warm-up, untimed: first-call costs (allocator, oneDNN kernels) hit no arm
+        bare(replace(cfg, muon_ns_dtype=d), batches[:4], total_steps, device, prepared)
+    keys = ("bare", "loop", "bare_cpu", "loop_cpu", "wait", "val", "save", "train_only", "bare_others", "loop_others")
+    res = {d: {k: [] for k in keys} for d in args.ns_dtype}
     for rep in range(args.reps):
         for d in args.ns_dtype:
-            c = replace(cfg, muon_ns_dtype=d)
+            c, r = replace(cfg, muon_ns_dtype=d), res[d]
             for arm in (("bare", "loop") if rep % 2 == 0 else ("loop", "bare")):
+                wait_quiet(args.quiet_wait)
                 if arm == "bare":
-                    res[d]["bare"].append(len(batches) / bare(c, batches, total_steps, device, prepared))
+                    with Others() as o:
+                        secs, cpu = bare(c, batches, total_steps, device, prepared)
+                    r["bare"].append(len(batches) / secs)
+                    r["bare_cpu"].append(cpu / len(batches))
                 else:
-                    secs, timing, n = loop(c, len(batches))
-                    r = res[d]
+                    with Others() as o:
+                        secs, cpu, t, n = loop(c, len(batches))
                     r["loop"].append(n / secs)
-                    r["wait"].append(timing["data_wait_s"] / max(timing["data_wait_s"] + timing["step_s"], 1e-9))
-                    r["val"].append(statistics.mean(timing["validate_s"]) if timing["validate_s"] else 0.0)
-                    r["save"].append(statistics.mean(timing["save_s"]) if timing["save_s"] else 0.0)
-            r = res[d]
+                    r["loop_cpu"].append(cpu / n)
+                    r["wait"].append(t["data_wait_s"] / max(t["data_wait_s"] + t["step_s"], 1e-9))
+                    r["val"].append(statistics.mean(t["validate_s"]) if t["validate_s"] else 0.0)
+                    r["save"].append(statistics.mean(t["save_s"]) if t["save_s"] else 0.0)
+                    r["train_only"].append(n / (secs - sum(t["validate_s"]) - sum(t["save_s"])))
+                r[f"{arm}_others"].append(o.share)
             print(f"  rep {rep} ns={d}: bare {r['bare'][-1]:.2f} steps/s, loop {r['loop'][-1]:.2f} steps/s "
-                  f"({r['bare'][-1] / r['loop'][-1]:.3f}x)", flush=True)
+                  f"({r['bare'][-1] / r['loop'][-1]:.3f}x); other processes used {r['bare_others'][-1]:.0%} and "
+                  f"{r['loop_others'][-1]:.0%} of the cores", flush=True)
     med = statistics.median
-    print("\nns_dtype  bare_steps/s  loop_steps/s  loop_time/bare_time  data_wait  val_s/ckpt  save_s/ckpt")
+    print("\nMedians over reps; `best` ratio: fastest bare rep over fastest loop rep (the least disturbed by "
+          "other processes);\n`cpu` ratio: process CPU seconds per step, loop over bare; `no val/save`: the "
+          "loop's steps/s without\nits validation and save seconds.")
+    print("ns_dtype  bare_steps/s  loop_steps/s  ratio  best_ratio  cpu_ratio  no_val/save_ratio  data_wait  "
+          "val_s/ckpt  save_s/ckpt")
     for d, r in res.items():
-        ratios = [b / lp for b, lp in zip(r["bare"], r["loop"])]
-        print(f"{d:8}  {med(r['bare']):12.2f}  {med(r['loop']):12.2f}  {med(ratios):19.3f}  "
-              f"{med(r['wait']):9.2%}  {med(r['val']):10.3f}  {med(r['save']):11.3f}")
+        ratio = med([b / lp for b, lp in zip(r["bare"], r["loop"])])
+        cpu = med([lc / bc for bc, lc in zip(r["bare_cpu"], r["loop_cpu"])])
+        train_only = med([b / t for b, t in zip(r["bare"], r["train_only"])])
+        print(f"{d:8}  {med(r['bare']):12.2f}  {med(r['loop']):12.2f}  {ratio:5.3f}  "
+              f"{max(r['bare']) / max(r['loop']):10.3f}  {cpu:9.3f}  {train_only:17.3f}  {med(r['wait']):9.2%}  "
+              f"{med(r['val']):10.3f}  {med(r['save']):11.3f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from dspark.errors import InputError
 # The source too: a live run's cache holds exactly the samples it trained on.
 # So is the damage policy: on an intact store it never acts, and what it skips is named.
 RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
-                  "on_damaged"}
+                  "on_damaged", "keep_in_memory_gib"}
 
 
 @dataclass
@@ -66,6 +66,9 @@ class TrainConfig:
     max_grad_norm: float = setting(1.0, gt=0)
     num_workers: int = setting(2, "Reader threads.", ge=1)
     prefetch_factor: int = setting(4, "Batches read ahead.", ge=1)
+    keep_in_memory_gib: float = setting(
+        2.0, "Keep decoded samples in memory when all of a Zarr store's fit in this many GiB: epochs after the "
+             "first and every validation then read nothing (0: always read from the store).", ge=0)
     log_freq: int = setting(10, "Steps per logged window.", ge=1)
     seed: int = setting(0)
     device: str = setting("auto", "auto, cpu or cuda.")

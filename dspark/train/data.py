@@ -8,6 +8,9 @@ epoch), so a resumed run sees exactly the batches the uninterrupted one saw.
 Every sample read is checked against its checksum (by the source). A damaged one
 is never trained on: `on_damaged="skip"` drops it from its batch, warns once, and
 names every skipped id at the end (`damaged_report`); `"raise"` stops the run.
+
+A fixed store whose decoded samples all fit `keep_bytes` is kept in memory as it is
+read: epochs after the first, and every validation, read and decode nothing.
 """
 
 from __future__ import annotations
@@ -29,9 +32,12 @@ log = logging.getLogger("dspark.data")
 ON_DAMAGED = ("skip", "raise")
 
 
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
 class TrainData:
     def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int,
-                 on_damaged: str = "skip", verifier: str | None = None):
+                 on_damaged: str = "skip", verifier: str | None = None, keep_bytes: int = 0):
         if on_damaged not in ON_DAMAGED:
             raise InputError(f"--on-damaged {on_damaged!r} is not a policy", f"use one of {', '.join(ON_DAMAGED)}")
         m = source.manifest
@@ -50,6 +56,11 @@ class TrainData:
         self._damaged_lock = threading.Lock()
         self.total_seq_len, self.seed = total_seq_len, seed
         self.num_targets = len(m.target_layer_ids)
+        # Samples read so far, when all of them fit keep_bytes (a live source's are never kept: its
+        # cache and counters must see every read). A sample is checked when first read, then kept as is.
+        size = int(prepared.offsets[-1] - prepared.offsets[0]) * len(m.captured_layer_ids) * m.hidden_size \
+            * _DTYPE_BYTES.get(m.dtype, 4)
+        self.kept: dict[int, Sample] | None = {} if not source.live and size <= keep_bytes else None
         ids = np.arange(len(prepared), dtype=np.int64)
         perm = np.random.default_rng(seed).permutation(ids)
         n_train = int(round(train_ratio * len(ids)))
@@ -61,8 +72,14 @@ class TrainData:
 
     def read(self, sample_id: int) -> Sample | None:
         """The sample, or None when it cannot be had (live) or is damaged and skipped."""
+        kept = self.kept
+        if kept is not None and sample_id in kept:
+            return kept[sample_id]
         try:
-            return self.source.read(sample_id)
+            sample = self.source.read(sample_id)
+            if kept is not None and sample is not None:
+                kept[sample_id] = sample
+            return sample
         except DamagedSample as e:
             if self.on_damaged == "raise":
                 raise StoreError(f"{e.what}; --on-damaged raise stops here",
@@ -73,6 +90,10 @@ class TrainData:
             if first:
                 log.warning("%s: skipped (--on-damaged skip); every skipped sample is named at the end", e.what)
             return None
+
+    def holds(self, ids: list[int]) -> bool:
+        """Whether these samples are in memory (reading them costs nothing)."""
+        return self.kept is not None and all(i in self.kept for i in ids)
 
     def damaged_report(self) -> str | None:
         """One line naming every damaged sample skipped so far, with the repair command; None if none."""
@@ -160,10 +181,12 @@ class Loader:
         stop = threading.Event()
 
         def produce():
+            _one_torch_thread()
             try:
-                with ThreadPoolExecutor(self.num_workers) as pool:
+                with ThreadPoolExecutor(self.num_workers, initializer=_one_torch_thread) as pool:  # started lazily
                     for b in self.batches:
-                        item = self.data.collate(list(pool.map(self.data.read, b)))
+                        read = map if self.data.holds(b) else pool.map
+                        item = self.data.collate(list(read(self.data.read, b)))
                         if item is None:
                             if not self.keep_empty:
                                 continue
@@ -196,6 +219,15 @@ class Loader:
         finally:
             stop.set()
             t.join()  # no reads (or live write-throughs) may outlive the loop that asked for them
+
+
+def _one_torch_thread() -> None:
+    """Torch ops on this reader thread (collate's cat, a source's decode) run on it alone.
+
+    Torch's intra-op thread count is per calling thread: left at the core count, each reader
+    would bring its own OpenMP team to fight the training step's for the same cores.
+    """
+    torch.set_num_threads(1)
 
 
 _EMPTY = object()  # a batch whose samples were all skipped (None on the queue means "done")

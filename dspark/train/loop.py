@@ -129,7 +129,7 @@ class Trainer:
         self.source = open_source(cfg, self.prepared)
         check_store(self.source, cfg)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,
-                              cfg.on_damaged, cfg.verifier_name_or_path)
+                              cfg.on_damaged, cfg.verifier_name_or_path, int(cfg.keep_in_memory_gib * 2**30))
         self.model = build_model(cfg, self.prepared, self.device)
         self.loss_kw = loss_kwargs(self.model, cfg, self.device)
         self.epoch_plan = [self._my_batches(self.data.epoch_batches(e)) for e in range(cfg.epochs)]
