@@ -8,10 +8,15 @@
 Every layout stores the same samples (bf16 Gaussians with outlier channels, or
 the samples of --source). Each measurement runs in a fresh process, the layouts
 interleaved repetition by repetition, and the table gives medians:
+- safetensors: speculators' own read (`load_file`, which maps the file), and the
+  same files read into memory (loaders on filesystems without mmap); ratios in
+  brackets are against the first;
 - size: safetensors bytes on disk / the layout's bytes on disk;
-- write: raw GB/s from the first sample to the store closed;
-- read: raw GB/s of random whole-sample reads into tensors the trainer can use
-  (checksums verified, as training reads), by 1 and by 2 reader threads; "cold"
+- write: raw GB/s from the first sample to the store closed and synced to disk
+  (an extraction writes far more than the page cache can hold);
+- read: raw GB/s of random whole-sample reads into tensors the trainer can use,
+  each copied into a batch buffer as collate does (Zarr checksums verified, as
+  training reads), by 1 and by 2 reader threads; "cold"
   drops the page cache first (root only; otherwise not measured).
 `--before PATH` adds the Zarr layouts as the dspark in PATH (a checkout) writes
 and reads them, for before/after figures from one run. Reports; asserts nothing.
@@ -27,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -50,11 +56,17 @@ def disk_bytes(path: Path) -> int:
 
 
 def read_pass(read, ids, workers: int) -> float:
-    def use(i):
-        # Touch every page: safetensors maps the file, and a mapped page costs its read only when used.
-        read(i).view(-1).view(torch.uint8)[::4096].sum()
-
     import torch
+
+    local = threading.local()
+
+    def use(i):
+        # Copy into a batch buffer, as collate does: safetensors maps the file, and a mapped page costs
+        # its read only when used; this makes every layout pay for every byte.
+        t = read(i)
+        if getattr(local, "buf", None) is None or local.buf.shape != t.shape:
+            local.buf = torch.empty_like(t)
+        local.buf.copy_(t)
 
     t = time.perf_counter()
     if workers == 1:
@@ -77,15 +89,18 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
     samples = [torch.from_numpy(bits[i]).view(torch.bfloat16) for i in range(N)]
     ids = np.random.default_rng(0).permutation(N).tolist()
     raw = bits.nbytes
-    if layout == "safetensors":
-        from safetensors.torch import load_file, save_file
+    if layout.startswith("safetensors"):
+        from safetensors.torch import load, load_file, save_file
 
         def write():
             for i, h in enumerate(samples):
                 save_file({"hidden_states": h, "input_ids": torch.from_numpy(tokens[i])}, scratch / f"{i}.safetensors")
 
         def read(i):
-            return load_file(scratch / f"{i}.safetensors")["hidden_states"]
+            path = scratch / f"{i}.safetensors"
+            if layout == "safetensors":  # speculators (hs_connectors' FileTransfer): load_file, a mapped file
+                return load_file(path)["hidden_states"]
+            return load(path.read_bytes())["hidden_states"]  # read into memory, as loaders without mmap do
     else:
         from dspark.connector.base import Sample
         from dspark.connector.manifest import StoreManifest, default_chunk_tokens
@@ -108,10 +123,12 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
 
         def read(i):
             return store.read(i).hidden_states
+    os.sync()
     t = time.perf_counter()
     write()
+    os.sync()  # on disk: an extraction writes far more than the page cache holds
     out = {"write": raw / (time.perf_counter() - t), "disk": disk_bytes(scratch)}
-    if layout != "safetensors":
+    if not layout.startswith("safetensors"):
         store = ZarrStore(scratch)
     for w in workers:
         read_pass(read, ids, w)  # warm the page cache
@@ -169,7 +186,7 @@ def main():
     try:
         samples = base / "samples.npz"
         raw, desc = make_samples(args, samples)
-        layouts = [("safetensors", "safetensors", ROOT)]
+        layouts = [("safetensors", "safetensors", ROOT), ("safetensors (read, no mmap)", "safetensors-read", ROOT)]
         kinds = ["zarr", *(["fp8"] if args.fp8 else [])]
         if args.before:
             layouts += [(f"{k} (before)", k, args.before.resolve()) for k in kinds]
@@ -212,7 +229,7 @@ def report(results: dict[str, list[dict]], raw: int, desc: list[str], args) -> N
                          f"{v / 1e9:.2f}" + ("" if name == "safetensors" else f" ({v / ref[k]:.2f}x)"))
         print(f"| {name} | " + " | ".join(cells) + " |")
     for name, rows in results.items():
-        if name != "safetensors" and len(args.workers) > 1 and 1 in args.workers:
+        if not name.startswith("safetensors") and len(args.workers) > 1 and 1 in args.workers:
             w = max(args.workers)
             print(f"{name}: {w} readers / 1 reader = {med(rows, f'warm{w}') / med(rows, 'warm1'):.2f}x warm"
                   + (f", {med(rows, f'cold{w}') / med(rows, 'cold1'):.2f}x cold" if med(rows, 'cold1') else ""))

@@ -27,8 +27,10 @@ def bytes_per_token(num_layers: int, hidden_size: int, encoding: str, dtype: str
 
 
 def _pieces(rows: int, width: int):
-    """Row slices of ~256K elements: each piece's temporaries stay in cache (3-5x faster than whole passes)."""
-    step = max(1, (1 << 18) // width)
+    """Row slices of <= 32K elements: each piece's temporaries stay in cache (3-5x faster than whole passes),
+    and torch runs ops that small inline, without its OpenMP team, whose barriers stall for milliseconds
+    when reader and writer threads already hold the cores (measured 20x slower)."""
+    step = max(1, (1 << 15) // width)
     return (slice(a, a + step) for a in range(0, rows, step))
 
 
@@ -53,11 +55,12 @@ def decode(payload: np.ndarray, scales: np.ndarray | None, encoding: str, dtype:
     s = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32)).reshape(-1, 1) * 256
     out = torch.empty(q.shape, dtype=torch_dtype(dtype))
     for p in _pieces(*q.shape):
+        # e4m3 bits -> the float16 bits of the same value / 2**8: the sign moves from bit 7 to 15 and the
+        # rest lands 7 bits up ((i + sign) << 7 does both). Exact for every finite code, subnormals included;
+        # float16 math is vectorized where float8's is not (~5x slower).
         i = q[p].to(torch.int16)
-        # e4m3 bits -> the float16 bits of the same value / 2**8: exact for every finite code, subnormals
-        # included, and float16 -> float32 is a vectorized conversion (float8's is not: ~5x slower)
-        f16 = ((i & 0x7F) << 7) | ((i & 0x80) << 8)
-        out[p] = f16.view(torch.float16).float() * s[p]
+        i.add_(i & 0x80).bitwise_left_shift_(7)
+        torch.mul(i.view(torch.float16), s[p], out=out[p])  # computed in float32, rounded once
     return out.view(t.shape)
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 import zarr
+import numcodecs.blosc
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
@@ -125,6 +126,9 @@ def _chunk_path(array_dir: Path, c: int, ndim: int) -> Path:
 
 
 _BLOSC = Blosc()  # decoding reads cname, shuffle and sizes from each chunk's own header
+# Our reader and writer threads are the parallelism; Blosc's global thread pool (used from the main
+# thread otherwise) serializes every caller behind one lock.
+numcodecs.blosc.use_threads = False
 
 
 @dataclass
