@@ -157,8 +157,10 @@ def main():
     ap.add_argument("--mount", choices=["holder", "producer", "consumer"], default="holder",
                     help="Which client mounts the memory the objects live in: a third client that neither "
                          "connector uses (the default: every object crosses the transport the same way for both), "
-                         "or each connector's producer/consumer (the master then spreads objects over both "
-                         "connectors' segments, some local, some not: noisier).")
+                         "or each connector's producer/consumer. With producer: dspark's producer puts into its "
+                         "own segment (a local memcpy, as on an extractor node that mounts memory), hs_connectors' "
+                         "objects land where the master puts them (random over both producers' segments: half "
+                         "local, half over TCP, as with 2 extractor nodes).")
     args = ap.parse_args()
     proc = None
     if args.master is None:

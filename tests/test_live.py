@@ -191,6 +191,24 @@ def test_error_marker_fails_fast(master):
     assert time.monotonic() - t < 2
 
 
+def test_a_producer_that_mounts_memory_puts_into_its_own_segment(master):
+    """A local memcpy instead of a network transfer; the consumer's fetch is the one crossing (and the
+    producer's back-pressure budget counts the segment its objects are actually in)."""
+    m = _manifest()
+    others = [connect(replace(small_cfg(32), master=master)) for _ in range(3)]  # segments the master could pick
+    sink = MooncakeSink(m, replace(small_cfg(32), master=master))
+    reader = MooncakeReader(m, replace(small_cfg(32), master=master, global_segment_gib=0))
+    samples = [_sample(i) for i in range(12)]
+    transfers = [sink.put(s) for s in samples]
+    client = sink.store.client
+    where = {client.get_replica_desc(object_key(m, s))[0].get_memory_descriptor().buffer_descriptor.transport_endpoint
+             for s in samples}
+    assert len(where) == 1  # all in one segment: random placement over 4 would spread 12 objects
+    for s, tr in zip(samples, transfers):
+        assert torch.equal(reader.get(s.sample_id, tr, timeout=2).hidden_states, s.hidden_states)
+    del others
+
+
 def test_out_of_space_is_a_clear_error(master):
     sink = MooncakeSink(_manifest(), replace(small_cfg(16), master=master, put_timeout=0.5))
     with pytest.raises(MooncakeFull, match="--mooncake-global-segment-gib"):

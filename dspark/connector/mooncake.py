@@ -16,6 +16,17 @@ Round trips (each costs ~0.1-0.2 ms on loopback, as much as moving 0.1 MB): a pu
 is one batched upsert of `<key>:manifest` and `<key>` from one registered staging
 buffer; a get is one batched read of `<key>:error` (, `<key>:manifest`) and
 `<key>` into another. Both buffers are registered once per thread and reused.
+
+Placement: a client that mounts memory puts into its own segment first (Mooncake's
+`preferred_segment`; it spills to other segments when its own is full), so a
+producer's put is a local memcpy (~3 ms for 50 MB, vs ~50 ms over loopback TCP) and
+each object crosses the network once, when a consumer fetches it. Left to the
+master, objects land in a random mounted segment: with N mounting clients, a
+fraction (N-1)/N of puts cross the network and are then fetched across it again.
+
+Checksums are computed in cache-sized pieces while the bytes are copied (into the
+put staging by `pack`, out of the get staging by `unpack`): one pass over memory
+instead of two.
 """
 
 from __future__ import annotations
@@ -47,6 +58,7 @@ OBJECT_NOT_FOUND = -704
 BUFFER_TOO_SMALL = -600  # get_into: the object is larger than the buffer given
 NO_AVAILABLE_HANDLE = -200  # the store is out of space
 GIB = 1 << 30
+PIECE = 1 << 20  # copy-and-hash granule: stays in L2 between the copy and the hash
 log = logging.getLogger("dspark.mooncake")
 
 
@@ -113,6 +125,20 @@ def connect(cfg: MooncakeConfig):
     return store
 
 
+def placement(client, cfg: MooncakeConfig):
+    """Where this client's puts go: its own segment first when it mounts one (see the module doc)."""
+    from mooncake.store import ReplicateConfig
+
+    replicate = ReplicateConfig()
+    if cfg.global_segment_gib > 0:
+        own = client.get_hostname()  # the segment's name: host:port as registered
+        if hasattr(replicate, "preferred_segments"):  # mooncake >= 0.3.10; `preferred_segment` is deprecated
+            replicate.preferred_segments = [own]
+        elif hasattr(replicate, "preferred_segment"):
+            replicate.preferred_segment = own
+    return replicate
+
+
 _NAMESPACES: dict[int, tuple[StoreManifest, str]] = {}  # id -> (the manifest, kept alive so ids stay unique)
 
 
@@ -173,15 +199,22 @@ def pack(sample: Sample, manifest: StoreManifest, key: str, out: np.ndarray | No
     tensors, total = transfer["tensors"], transfer["metadata"]["total_aligned_bytes"]
     buf = np.zeros(total, dtype=np.uint8) if out is None else out[:total]
     hidden = sample.hidden_states.detach().cpu().contiguous()
+    digest, done = xxhash.xxh3_64(), 0
     for name, raw in (("hidden_states", hidden.view(torch.uint8).reshape(-1).numpy()),
                       ("token_ids", np.ascontiguousarray(sample.token_ids, dtype=np.int64).view(np.uint8))):
         spec = tensors[name]
         if raw.nbytes != spec["nbytes"]:
             raise CorruptObject(f"sample {sample.sample_id}: {name} has {raw.nbytes} bytes, layout says {spec['nbytes']}",
                                 "extract with the store's verifier and layer ids")
-        buf[spec["offset"] : spec["offset"] + spec["nbytes"]] = raw
-        buf[spec["offset"] + spec["nbytes"] : _align(spec["offset"] + spec["nbytes"])] = 0  # padding, deterministic
-    transfer["metadata"]["xxh3_64"] = xxhash.xxh3_64_intdigest(buf.data)
+        start, end = spec["offset"], spec["offset"] + spec["nbytes"]
+        for lo in range(start, end, PIECE):  # copy a piece, hash it while it is in cache
+            hi = min(lo + PIECE, end)
+            buf[lo:hi] = raw[lo - start : hi - start]
+            digest.update(buf[done:hi].data)
+            done = hi
+        buf[end : _align(end)] = 0  # padding, deterministic
+    digest.update(buf[done:].data)
+    transfer["metadata"]["xxh3_64"] = digest.intdigest()
     return buf, transfer
 
 
@@ -198,11 +231,19 @@ def unpack(buf: np.ndarray, transfer: dict, manifest: StoreManifest) -> Sample:
     if transfer["tensors"] != expected:
         raise CorruptObject(f"object {key} layout {transfer['tensors']} does not match the store's {expected}",
                             "producer and consumer disagree on layers, hidden size or dtype")
-    if xxhash.xxh3_64_intdigest(buf.data) != meta.get("xxh3_64"):
-        raise CorruptObject(f"object {key} fails its checksum", "it is rejected and can be regenerated")
     h, t = expected["hidden_states"], expected["token_ids"]
-    hidden = torch.from_numpy(buf[h["offset"] : h["offset"] + h["nbytes"]].copy()).view(
-        getattr(torch, manifest.dtype)).view(*h["shape"])
+    # `buf` is reused by the next read: copy out, hashing each piece of the object while it is in cache.
+    out = np.empty(h["nbytes"], dtype=np.uint8)
+    digest, done = xxhash.xxh3_64(), 0
+    for lo in range(h["offset"], h["offset"] + h["nbytes"], PIECE):
+        hi = min(lo + PIECE, h["offset"] + h["nbytes"])
+        out[lo - h["offset"] : hi - h["offset"]] = buf[lo:hi]
+        digest.update(buf[done:hi].data)
+        done = hi
+    digest.update(buf[done:].data)
+    if digest.intdigest() != meta.get("xxh3_64"):
+        raise CorruptObject(f"object {key} fails its checksum", "it is rejected and can be regenerated")
+    hidden = torch.from_numpy(out).view(getattr(torch, manifest.dtype)).view(*h["shape"])
     tokens = buf[t["offset"] : t["offset"] + t["nbytes"]].view(np.int64).copy()
     return Sample(-1 if meta["sample_id"] is None else int(meta["sample_id"]), tokens, hidden, handle=key)
 
@@ -216,6 +257,7 @@ class MooncakeStore:
     def __init__(self, manifest: StoreManifest, config: MooncakeConfig):
         self.manifest, self.config = manifest, config
         self.client = connect(config)
+        self.replicate = placement(self.client, config)
         self._staging: dict[tuple[int, str], tuple[np.ndarray, int]] = {}
 
     def staging(self, role: str, nbytes: int) -> tuple[np.ndarray, int]:
@@ -242,11 +284,11 @@ class MooncakeStore:
         off = _align(nbytes)
         if off + len(manifest) > buf.nbytes:  # no room left after the payload: two round trips
             self.put(key + ":manifest", manifest)
-            keys, rcs = [key], [self.client.upsert_from(key, ptr, nbytes)]
+            keys, rcs = [key], [self.client.upsert_from(key, ptr, nbytes, self.replicate)]
         else:
             buf[off : off + len(manifest)] = np.frombuffer(manifest, dtype=np.uint8)
             keys = [key + ":manifest", key]
-            rcs = self.client.batch_upsert_from(keys, [ptr + off, ptr], [len(manifest), nbytes])
+            rcs = self.client.batch_upsert_from(keys, [ptr + off, ptr], [len(manifest), nbytes], self.replicate)
         for k, rc in zip(keys, rcs):
             self._status("put", k, rc)
 
@@ -317,7 +359,8 @@ class MooncakeStore:
 
     def put(self, key: str, data) -> None:
         """Upsert: a regenerated sample replaces a stale object (a plain put keeps the first)."""
-        self._status("put", key, self.client.upsert(key, data if isinstance(data, bytes) else data.tobytes()))
+        data = data if isinstance(data, bytes) else data.tobytes()
+        self._status("put", key, self.client.upsert(key, data, self.replicate))
 
     def get(self, key: str, size: int | None = None) -> np.ndarray:
         """The object's bytes; with `size` known (from a manifest) this is one round trip."""
