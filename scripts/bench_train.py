@@ -136,6 +136,8 @@ def main():
                     help="Muon's Newton-Schulz dtype(s): each one is benchmarked, interleaved with the others.")
     ap.add_argument("--quiet-wait", type=float, default=30.0,
                     help="Before each arm, wait up to this many seconds for other processes to leave the cores.")
+    ap.add_argument("--quiet", type=float, default=0.1,
+                    help="A rep counts as quiet when other processes used under this share of the cores.")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="Config overrides (strings, as in a YAML file), e.g. num_workers=1.")
     args = ap.parse_args()
@@ -154,7 +156,8 @@ def main():
           f"config {args.config}", flush=True)
     for d in args.ns_dtype:  # warm-up, untimed: first-call costs (allocator, oneDNN kernels) hit no arm
         bare(replace(cfg, muon_ns_dtype=d), batches[:4], total_steps, device, prepared)
-    keys = ("bare", "loop", "bare_cpu", "loop_cpu", "wait", "val", "save", "train_only", "bare_others", "loop_others")
+    keys = ("bare", "loop", "bare_cpu", "loop_cpu", "wait", "val", "save", "train_only", "bare_others", "loop_others",
+            "read_all")
     res = {d: {k: [] for k in keys} for d in args.ns_dtype}
     for rep in range(args.reps):
         for d in args.ns_dtype:
@@ -171,7 +174,9 @@ def main():
                         secs, cpu, t, n = loop(c, len(batches))
                     r["loop"].append(n / secs)
                     r["loop_cpu"].append(cpu / n)
-                    r["wait"].append(t["data_wait_s"] / max(t["data_wait_s"] + t["step_s"], 1e-9))
+                    data = t["data_wait_s"] + t.get("read_all_s", 0.0)
+                    r["wait"].append(data / max(data + t["step_s"], 1e-9))
+                    r["read_all"].append(t.get("read_all_s", 0.0))
                     r["val"].append(statistics.mean(t["validate_s"]) if t["validate_s"] else 0.0)
                     r["save"].append(statistics.mean(t["save_s"]) if t["save_s"] else 0.0)
                     r["train_only"].append(n / (secs - sum(t["validate_s"]) - sum(t["save_s"])))
@@ -180,19 +185,26 @@ def main():
                   f"({r['bare'][-1] / r['loop'][-1]:.3f}x); other processes used {r['bare_others'][-1]:.0%} and "
                   f"{r['loop_others'][-1]:.0%} of the cores", flush=True)
     med = statistics.median
-    print("\nMedians over reps; `best` ratio: fastest bare rep over fastest loop rep (the least disturbed by "
-          "other processes);\n`cpu` ratio: process CPU seconds per step, loop over bare; `no val/save`: the "
-          "loop's steps/s without\nits validation and save seconds.")
-    print("ns_dtype  bare_steps/s  loop_steps/s  ratio  best_ratio  cpu_ratio  no_val/save_ratio  data_wait  "
+    print(f"""
+Medians over the reps in which other processes used under {args.quiet:.0%} of the cores in both arms (all reps if
+none). ratio: bare steps/s over loop steps/s, per rep; best: fastest bare over fastest loop; cpu: process CPU
+seconds per step, loop over bare; no_val/save: the ratio without the loop's validation and save seconds;
+data: the loop's time getting data (read_all_s: reading a store that fits in memory up front, then waits),
+over that plus its steps'.""")
+    print("ns_dtype  quiet  bare_steps/s  loop_steps/s  ratio  best   cpu    no_val/save  data   read_all_s  "
           "val_s/ckpt  save_s/ckpt")
     for d, r in res.items():
-        ratio = med([b / lp for b, lp in zip(r["bare"], r["loop"])])
-        cpu = med([lc / bc for bc, lc in zip(r["bare_cpu"], r["loop_cpu"])])
-        train_only = med([b / t for b, t in zip(r["bare"], r["train_only"])])
-        print(f"{d:8}  {med(r['bare']):12.2f}  {med(r['loop']):12.2f}  {ratio:5.3f}  "
-              f"{max(r['bare']) / max(r['loop']):10.3f}  {cpu:9.3f}  {train_only:17.3f}  {med(r['wait']):9.2%}  "
-              f"{med(r['val']):10.3f}  {med(r['save']):11.3f}")
+        quiet = [i for i in range(args.reps) if max(r["bare_others"][i], r["loop_others"][i]) < args.quiet]
+        pick = quiet or list(range(args.reps))
 
+        def m(key, fn=None):
+            return med([r[key][i] if fn is None else fn(i) for i in pick])
+        print(f"{d:8}  {len(quiet)}/{args.reps}    {m('bare'):12.2f}  {m('loop'):12.2f}  "
+              f"{m('', lambda i: r['bare'][i] / r['loop'][i]):5.3f}  "
+              f"{max(r['bare'][i] for i in pick) / max(r['loop'][i] for i in pick):5.3f}  "
+              f"{m('', lambda i: r['loop_cpu'][i] / r['bare_cpu'][i]):5.3f}  "
+              f"{m('', lambda i: r['bare'][i] / r['train_only'][i]):11.3f}  {m('wait'):5.1%}  {m('read_all'):10.3f}  "
+              f"{m('val'):10.3f}  {m('save'):11.3f}")
 
 if __name__ == "__main__":
     main()

@@ -95,6 +95,19 @@ class TrainData:
         """Whether these samples are in memory (reading them costs nothing)."""
         return self.kept is not None and all(i in self.kept for i in ids)
 
+    def read_all(self, num_workers: int) -> None:
+        """Read every sample into memory now, if they fit, so that no read runs beside a training step.
+
+        On a few cores a reader beside the step costs far more than its own time: the step's
+        OpenMP team stalls at every parallel region while a reader holds one of its cores.
+        """
+        if self.kept is None:
+            return
+        todo = [i for i in (*self.train_ids, *self.val_ids) if i not in self.kept]
+        with ThreadPoolExecutor(max(1, num_workers), initializer=_one_torch_thread) as pool:
+            for _ in pool.map(self.read, todo):
+                pass
+
     def damaged_report(self) -> str | None:
         """One line naming every damaged sample skipped so far, with the repair command; None if none."""
         if not self.damaged:
@@ -161,6 +174,8 @@ class TrainData:
 class Loader:
     """Iterates collated batches, reading `prefetch` batches ahead on background threads.
 
+    Batches whose samples are all in memory are collated in the caller's thread instead.
+
     A batch left empty (every sample skipped) is dropped, or yielded as None with
     `keep_empty` (the training loop counts it to keep its data position exact).
     `wait_seconds` counts the time the training loop spent blocked on data.
@@ -176,7 +191,18 @@ class Loader:
     def __len__(self) -> int:
         return len(self.batches)
 
+    def _in_memory(self):
+        for b in self.batches:
+            start = time.perf_counter()
+            item = self.data.collate([self.data.read(i) for i in b])
+            self.wait_seconds += time.perf_counter() - start
+            if item is not None or self.keep_empty:
+                yield item
+
     def __iter__(self):
+        if self.data.holds([i for b in self.batches for i in b]):
+            yield from self._in_memory()  # collating costs less than a thread fighting the step for a core
+            return
         q: queue.Queue = queue.Queue(self.prefetch)
         stop = threading.Event()
 

@@ -144,7 +144,7 @@ class Trainer:
         # logs the same window an uninterrupted run does.
         self.window: dict[str, float] = {}
         # Where fit()'s time went, for benchmarks (scripts/bench_train.py); never logged or compared.
-        self.timing = {"step_s": 0.0, "data_wait_s": 0.0, "validate_s": [], "save_s": []}
+        self.timing = {"step_s": 0.0, "data_wait_s": 0.0, "read_all_s": 0.0, "validate_s": [], "save_s": []}
         self._start_or_resume(force)
         self.saved_step = self.state["step"]  # the step of the latest checkpoint
         self.log = MetricLog(self.run.metrics_path) if self.dist.main else None
@@ -268,6 +268,10 @@ class Trainer:
         cfg, st = self.cfg, self.state
         bar = tqdm(total=self.total_steps, initial=st["step"], desc="train", unit="step", disable=not self.progress)
         stop_at = cfg.max_steps if cfg.max_steps is not None else self.total_steps
+        if st["step"] < stop_at:
+            start = time.perf_counter()
+            self.data.read_all(cfg.num_workers)  # when the store fits --keep-in-memory-gib
+            self.timing["read_all_s"] = time.perf_counter() - start
         while st["epoch"] < cfg.epochs and st["step"] < stop_at:
             batches = self.epoch_plan[st["epoch"]]
             every = max(1, round(cfg.checkpoint_freq * len(batches)))

@@ -36,6 +36,20 @@ def vocab_mappings(cfg: TrainConfig, prepared: PreparedData, verifier_vocab: int
     return t2d, d2t, cfg.draft_vocab_size
 
 
+def broadcast_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
+    """flex_attention.create_mask's dense (1, 1, Q, KV) mask, from one broadcast call of the mask_mod.
+
+    create_mask vmaps the mask_mod over every (q, kv) pair: on CPU that was ~12 ms of a ~20 ms
+    drafter forward at the demo's sizes. DSpark's anchor-block mask_mod is elementwise with tensor
+    indexing, so calling it on a column of query and a row of key indices gives the same mask.
+    """
+    assert B in (None, 1) and H in (None, 1), "the drafter's masks have one batch row and one head"
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    q = torch.arange(Q_LEN, device=device)[:, None]
+    kv = torch.arange(KV_LEN, device=device)[None, :]
+    return mask_mod(zero, zero, q, kv).expand(Q_LEN, KV_LEN).contiguous()[None, None]
+
+
 def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
     from speculators.models.dspark import DSparkDraftModel
     from speculators.models.utils import get_verifier_config
@@ -66,6 +80,10 @@ def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
         markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
         trust_remote_code=cfg.trust_remote_code)
+    from torch.nn.attention.flex_attention import create_mask
+
+    if model._create_mask_fn is create_mask:  # sdpa (CPU); flex attention builds a block mask instead
+        model._create_mask_fn = broadcast_mask
     return model.to(device)
 
 
