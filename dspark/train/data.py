@@ -19,7 +19,8 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -181,6 +182,8 @@ class Loader:
     `wait_seconds` counts the time the training loop spent blocked on data.
     """
 
+    READ_AHEAD_BATCHES = 2  # batches whose sample reads are in flight beside the one being collated
+
     def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4,
                  keep_empty: bool = False):
         self.data, self.batches = data, batches
@@ -210,9 +213,20 @@ class Loader:
             _one_torch_thread()
             try:
                 with ThreadPoolExecutor(self.num_workers, initializer=_one_torch_thread) as pool:  # started lazily
-                    for b in self.batches:
-                        read = map if self.data.holds(b) else pool.map
-                        item = self.data.collate(list(read(self.data.read, b)))
+                    # The reads of the next batches stay in flight while this one is collated and queued:
+                    # reading batch by batch left the readers idle through every collate.
+                    ahead: deque[list[Future]] = deque()
+                    batches = iter(self.batches)
+
+                    def read_ahead():
+                        while len(ahead) < self.READ_AHEAD_BATCHES and (b := next(batches, None)) is not None:
+                            ahead.append([pool.submit(self.data.read, i) for i in b])
+
+                    read_ahead()
+                    while ahead:
+                        reads = ahead.popleft()
+                        read_ahead()
+                        item = self.data.collate([f.result() for f in reads])
                         if item is None:
                             if not self.keep_empty:
                                 continue
@@ -224,6 +238,8 @@ class Loader:
                             except queue.Full:
                                 continue
                         if stop.is_set():
+                            for f in (f for reads in ahead for f in reads):
+                                f.cancel()
                             return
             except BaseException as e:  # hand the failure to the consumer, which re-raises it
                 q.put(e)
