@@ -27,7 +27,7 @@ def segment(root: Path) -> str:
 
 
 def chunk_file(root: Path, seg: str, c: int, name: str = "hidden") -> Path:
-    return root / "segments" / seg / name / "c" / str(c) / Path(*["0"] * {"hidden": 2, "token_ids": 0}[name])
+    return root / "segments" / seg / name / ".".join(["c", str(c), *["0"] * {"hidden": 2, "token_ids": 0}[name]])
 
 
 def in_chunk(store: ZarrStore, c: int) -> set[int]:

@@ -1,5 +1,6 @@
 import multiprocessing as mp
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -83,6 +84,26 @@ def test_stock_zarr_python_reads_what_dspark_writes(tmp_path):
                 assert np.array_equal(arrays["scales"][sl], scales)
 
 
+def test_a_store_written_with_slash_chunk_keys_still_reads(tmp_path):
+    """Stores before this layout keep chunks at c/<c>/0/0; the reader follows each array's metadata."""
+    import json
+
+    write(tmp_path, range(12))
+    (seg,) = (tmp_path / "segments").iterdir()
+    for name in ("hidden", "token_ids"):
+        meta = json.loads((seg / name / "zarr.json").read_text())
+        meta["chunk_key_encoding"]["configuration"]["separator"] = "/"
+        (seg / name / "zarr.json").write_text(json.dumps(meta))
+        for f in (seg / name).glob("c.*"):
+            dest = seg / name / Path(*f.name.split("."))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            f.rename(dest)
+    store = ZarrStore(tmp_path)
+    assert store.chunk_damage() == {}
+    for i in range(12):
+        assert torch.equal(store.read(i).hidden_states.view(torch.int16), make_sample(i).hidden_states.view(torch.int16))
+
+
 def test_fp8_decode_is_the_float_formula_for_every_code():
     """The fast decode (float16 bit trick, cache-sized pieces) equals fp8 * scale rounded once to bf16."""
     from dspark.connector.encoding import decode
@@ -112,7 +133,7 @@ def test_torn_index_tail_and_damage_are_detected(tmp_path):
     with open(seg / "index.bin", "ab") as f:  # a writer killed mid-record
         f.write(struct.pack("<qq", 99, 0))
     assert ZarrStore(tmp_path).sample_ids == list(range(12))
-    chunk = seg / "hidden" / "c" / "0" / "0" / "0"
+    chunk = seg / "hidden" / "c.0.0.0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))

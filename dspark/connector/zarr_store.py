@@ -50,9 +50,9 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numcodecs.blosc
 import numpy as np
 import zarr
-import numcodecs.blosc
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
@@ -98,8 +98,8 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
     return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
 
 
-def _chunk_problem(segment: Path, name: str, c: int, ndim: int) -> str | None:
-    """None if chunk `c` of array `name` exists and is as long as its Blosc header says, else what is wrong.
+def _chunk_problem(path: Path, where: str) -> str | None:
+    """None if the chunk file exists and is as long as its Blosc header says, else what is wrong.
 
     Reads 16 bytes, decodes nothing: cheap enough for every resume. Every chunk
     read makes the same check on the bytes it read, before Blosc sees them: Blosc 1
@@ -107,8 +107,6 @@ def _chunk_problem(segment: Path, name: str, c: int, ndim: int) -> str | None:
     its buffer (garbage, or a segfault) instead of failing. A flipped byte inside a
     chunk needs the full read of `ZarrStore.damaged`.
     """
-    path = _chunk_path(segment / name, c, ndim)
-    where = f"chunk {c} of {name} in segment {segment.name}"
     try:
         with open(path, "rb") as f:
             head, size = f.read(16), os.fstat(f.fileno()).st_size
@@ -121,8 +119,14 @@ class _ChunkDamaged(Exception):
     """A chunk file that is missing or shorter than its header says (never handed to Blosc)."""
 
 
-def _chunk_path(array_dir: Path, c: int, ndim: int) -> Path:
-    return array_dir.joinpath("c", str(c), *("0",) * (ndim - 1))  # zarr v3 default chunk keys
+def _chunk_path(array_dir: Path, c: int, ndim: int, sep: str) -> Path:
+    """The file of chunk `c` under zarr v3's default chunk key encoding with separator `sep`.
+
+    dspark writes "." (c.7.0.0): every chunk of an array in its one folder, where "/" (c/7/0/0,
+    stores written before) costs two mkdirs per chunk, ~0.4 ms each on this machine's disk.
+    """
+    keys = ["c", str(c), *("0",) * (ndim - 1)]
+    return array_dir / ".".join(keys) if sep == "." else array_dir.joinpath(*keys)
 
 
 _BLOSC = Blosc()  # decoding reads cname, shuffle and sizes from each chunk's own header
@@ -145,6 +149,7 @@ class _Array:
     path: Path
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
+    sep: str  # of the chunk keys
 
     @classmethod
     def open(cls, path: Path) -> _Array:
@@ -153,22 +158,27 @@ class _Array:
         if codecs != ["BytesCodec", "BloscCodec"]:
             raise StoreError(f"array {path} is encoded with {codecs}, not dspark's bytes + blosc",
                              "it was not written by dspark: re-extract into a new store")
-        return cls(path, tuple(a.chunks), np.dtype(a.dtype))
+        return cls(path, tuple(a.chunks), np.dtype(a.dtype), a.metadata.chunk_key_encoding.separator)
+
+    def chunk_path(self, c: int) -> Path:
+        return _chunk_path(self.path, c, len(self.chunk_shape), self.sep)
+
+    def where(self, c: int) -> str:
+        return f"chunk {c} of {self.path.name} in segment {self.path.parent.name}"
 
     def open_chunk(self, c: int):
         """An open file of chunk `c`, the kernel told to read it ahead; _ChunkDamaged if it is missing."""
         try:
-            f = open(_chunk_path(self.path, c, len(self.chunk_shape)), "rb", buffering=0)
+            f = open(self.chunk_path(c), "rb", buffering=0)
         except FileNotFoundError:
-            raise _ChunkDamaged(f"chunk {c} of {self.path.name} in segment {self.path.parent.name} is missing") from None
+            raise _ChunkDamaged(f"{self.where(c)} is missing") from None
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # cold reads: I/O overlaps the decode
         return f
 
     def decode(self, c: int, f, out: np.ndarray) -> None:
         """Decode chunk `c` (open as `f`) into `out`, a C-contiguous array of the chunk's shape."""
         data = f.read()
-        problem = _length_problem(data[:16], len(data), f"chunk {c} of {self.path.name} in segment "
-                                                        f"{self.path.parent.name}")
+        problem = _length_problem(data[:16], len(data), self.where(c))
         if problem is not None:
             raise _ChunkDamaged(problem)
         _BLOSC.decode(data, out=out)
@@ -354,7 +364,7 @@ class ZarrStore(Source):
             except _ChunkDamaged as exc:
                 problems.append(str(exc))
                 continue
-            except Exception as exc:  # an undecodable chunk is damage, whatever zarr raises
+            except Exception as exc:  # an undecodable chunk is damage, whatever Blosc raises
                 problems.append(f"unreadable: {type(exc).__name__}: {str(exc)[:120]}")
                 continue
             if not intact:
@@ -401,17 +411,16 @@ class ZarrStore(Source):
         can afford it. A flipped byte inside a chunk is found only by `damaged()`.
         """
         v, ok, out = self._view, {}, {}
-        arrays = {"hidden": 3, "token_ids": 1, **({"scales": 2} if self._fp8 else {})}  # name: ndim
         C = self.manifest.chunk_tokens
         for sid in sorted(v.first):
             problem = None
             for e in v.records(sid):
                 problem = None
                 for c in range(e.start // C, (e.start + e.length - 1) // C + 1):
-                    for name, ndim in arrays.items():
+                    for name, a in self._segment(e.segment).arrays.items():
                         key = (e.segment, name, c)
                         if key not in ok:
-                            ok[key] = _chunk_problem(self.root / "segments" / e.segment, name, c, ndim)
+                            ok[key] = _chunk_problem(a.chunk_path(c), a.where(c))
                         problem = problem or ok[key]
                 if problem is None:
                     break
@@ -556,13 +565,13 @@ class ZarrSink(Sink):
     """
 
     name = "zarr"
-    WRITE_THREADS = 2
     MAX_INFLIGHT = 4  # chunks queued or being written; more makes write() wait (bounded memory)
 
     def __init__(self, root: str | Path, manifest: StoreManifest, writer_id: str | None = None,
-                 rewrite: Iterable[int] = ()):
+                 rewrite: Iterable[int] = (), write_threads: int = 2):
         self.root = Path(root)
         self.manifest = manifest.create_or_match(self.root)
+        self.write_threads = write_threads  # 0: compress and write in the caller's thread
         self._known = set(ZarrStore(self.root).sample_ids) - set(rewrite)
         self._writer_id = writer_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._seg: Path | None = None
@@ -606,7 +615,8 @@ class ZarrSink(Sink):
         attrs = {"logical_dtype": m.dtype, "encoding": m.encoding, "layer_ids": m.captured_layer_ids}
         for name, (shape, chunks, dtype, codec) in specs.items():  # zarr writes the metadata, we the chunks
             group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=[codec], fill_value=0,
-                               config=cfg, attributes=attrs if name == "hidden" else None)
+                               config=cfg, attributes=attrs if name == "hidden" else None,
+                               chunk_key_encoding={"name": "default", "separator": "."})
         self._encoders = {name: (self._seg / name, len(shape), Blosc(cname=codec.cname.value, clevel=codec.clevel,
                                                                      shuffle=_SHUFFLE[codec.shuffle.value],
                                                                      blocksize=codec.blocksize))
@@ -614,7 +624,8 @@ class ZarrSink(Sink):
         scales = np.zeros((C, L), np.float32) if "scales" in specs else None
         self._buf = _Buffer(np.zeros((C, L, H), store_dtype), np.zeros(C, np.int32), scales)
         self._index_fd = os.open(self._seg / "index.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self._pool = ThreadPoolExecutor(self.WRITE_THREADS, thread_name_prefix="dspark-zarr-write")
+        self._pool = (ThreadPoolExecutor(self.write_threads, thread_name_prefix="dspark-zarr-write")
+                      if self.write_threads else None)
 
     def write(self, sample: Sample) -> Future:
         if sample.sample_id in self._known:  # readers take the first valid record: never store it twice
@@ -671,7 +682,15 @@ class ZarrSink(Sink):
         while len(self._inflight) >= self.MAX_INFLIGHT:  # bounded memory: wait for the oldest chunk
             wait([self._inflight[0].written])
             self._retire()
-        written = self._pool.submit(self._write_chunks, c, buf)
+        if self._pool is None:  # write_threads=0: in the caller's thread
+            written = Future()
+            try:
+                self._write_chunks(c, buf)
+                written.set_result(None)
+            except Exception as e:
+                written.set_exception(e)
+        else:
+            written = self._pool.submit(self._write_chunks, c, buf)
         with self._publish_lock:
             self._inflight.append(_Chunk(written, completes))
         written.add_done_callback(self._retire)
@@ -687,12 +706,12 @@ class ZarrSink(Sink):
     def _write_chunk(self, name: str, c: int, data: np.ndarray) -> None:
         """Compress one chunk and write it as zarr would: a temp file renamed into place.
 
-        Straight to Blosc, not through zarr's codec pipeline (several times its cost);
-        the bytes are what zarr's own BloscCodec writes for this array.
+        Straight to Blosc, not through zarr's codec pipeline (several times its cost),
+        in the format zarr's BloscCodec writes for this array (the array's metadata
+        names that codec: stock zarr-python reads it).
         """
         array_dir, ndim, codec = self._encoders[name]
-        path = _chunk_path(array_dir, c, ndim)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = _chunk_path(array_dir, c, ndim, ".")
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
         try:
             with open(tmp, "wb", buffering=0) as f:
@@ -763,7 +782,8 @@ class ZarrSink(Sink):
                 try:
                     self._drain()
                 finally:
-                    self._pool.shutdown(wait=True)
+                    if self._pool is not None:
+                        self._pool.shutdown(wait=True)
                     os.close(self._index_fd)
                     self._seg = None
 

@@ -90,7 +90,7 @@ class TransformersEngine(Engine):
                              use_cache=False)
         stacked = torch.stack([self._captured[k] for k in self.captured_layer_ids], dim=2)  # [B, T, L+1, H]
         stacked = stacked.to("cpu", self.dtype)
-        return [stacked[i, :n].clone() for i, n in enumerate(lengths)]
+        return [stacked[i, :n] for i, n in enumerate(lengths)]  # contiguous views: sinks copy what they keep
 
     def run(self, batch: list[tuple[int, np.ndarray]], sink: Sink) -> None:
         for (sid, tokens), hidden in zip(batch, self.extract([t for _, t in batch])):
