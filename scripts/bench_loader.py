@@ -31,6 +31,8 @@ from dspark.connector.zarr_store import ZarrSink, ZarrStore
 from dspark.prepare import PreparedData
 from dspark.train.data import Loader, TrainData
 
+from bench_store import drop_page_cache  # a sibling script (scripts/ is on sys.path when run)
+
 
 def make_prepared(root: Path, n: int, T: int) -> PreparedData:
     rng = np.random.default_rng(0)
@@ -60,17 +62,6 @@ def make_store(root: Path, prepared: PreparedData, hidden: int, layers: int) -> 
         sink.write(Sample(i, ids, x.to(torch.bfloat16)))
     sink.close()
     return ZarrStore(root)
-
-
-def drop_page_cache() -> bool:
-    import os
-
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def run(data: TrainData, rate: float, workers: int, prefetch: int) -> tuple[float, float, float, float]:
