@@ -55,6 +55,7 @@ os.environ.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's C++ INFO chatter; o
 TRANSFER_VERSION = 1  # hs_connectors' transfer-manifest version
 ALIGN = 64
 OBJECT_NOT_FOUND = -704
+REPLICA_IS_NOT_READY = -703  # the object's put is still landing
 BUFFER_TOO_SMALL = -600  # get_into: the object is larger than the buffer given
 NO_AVAILABLE_HANDLE = -200  # the store is out of space
 GIB = 1 << 30
@@ -307,7 +308,7 @@ class MooncakeStore:
         rcs = self.client.batch_get_into(keys, ptrs, caps)
         out: list = []
         for k, p, rc in zip(keys, ptrs, rcs):
-            if rc == OBJECT_NOT_FOUND:
+            if rc in (OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY):  # absent, or not yet: the caller polls again
                 out.append(None)
             elif rc == BUFFER_TOO_SMALL and k.endswith((":error", ":manifest")):
                 out.append(self.get(k).tobytes())  # larger than its room: rare, one more round trip
@@ -376,10 +377,25 @@ class MooncakeStore:
         return np.frombuffer(data, dtype=np.uint8)
 
     def remove(self, *keys: str) -> None:
-        """Remove these exact keys in one round trip; a missing one is fine."""
-        for k, rc in zip(keys, self.client.batch_remove(list(keys), True)):
-            if rc != OBJECT_NOT_FOUND:
-                self._status("remove", k, rc)
+        """Remove these exact keys in one round trip; a missing one is fine.
+
+        A key whose put is still landing (a manifest batched with the payload just read) is
+        retried for up to a second, then left: it is a few bytes nobody will read.
+        """
+        keys, deadline = list(keys), time.monotonic() + 1.0
+        while keys:
+            landing = []
+            for k, rc in zip(keys, self.client.batch_remove(keys, True)):
+                if rc == REPLICA_IS_NOT_READY:
+                    landing.append(k)
+                elif rc != OBJECT_NOT_FOUND:
+                    self._status("remove", k, rc)
+            if not landing or time.monotonic() > deadline:
+                for k in landing:
+                    log.debug("Mooncake object %s was still being written after a second; left in place", k)
+                return
+            keys = landing
+            time.sleep(0.01)
 
 
 class MooncakeSink(Sink):
@@ -526,7 +542,7 @@ class MooncakeReader:
         need_manifest = "xxh3_64" not in meta  # the checksum exists only once written: read the producer's manifest
         size = meta.get("total_aligned_bytes")
         size = size if isinstance(size, int) and size > 0 else None
-        deadline, delay, orphaned = time.monotonic() + timeout, 0.001, 0
+        deadline, delay, orphan_since = time.monotonic() + timeout, 0.001, None
         while True:  # each poll is one round trip: marker, manifest and payload together
             error, stored, data = self.store.read(key, size, need_manifest)
             if data is not None and (stored is not None or not need_manifest):
@@ -538,8 +554,8 @@ class MooncakeReader:
                     msg = error.decode(errors="replace")
                 raise ProducerFailed(f"the producer failed sample {sample_id}: {msg}", "see the extractor's log")
             if data is not None:  # the payload without its manifest: the batch put is landing, or none was written
-                orphaned += 1
-                if orphaned > 3:
+                orphan_since = orphan_since or time.monotonic()
+                if time.monotonic() - orphan_since > 1.0:  # a batch lands in milliseconds
                     self.store._status("get", key + ":manifest", OBJECT_NOT_FOUND)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"sample {sample_id} did not appear in Mooncake within {timeout:.0f}s ({key})")
