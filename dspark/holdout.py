@@ -1,0 +1,144 @@
+"""`dspark holdout`: split a chat file into training and held-out prompts, with no prompt in both.
+
+Held-out means held out: a drafter scored on prompts it was trained on reports a number
+no user will see. Real dumps repeat themselves (ShareGPT holds the same question many
+times), so a random split alone leaks. Here:
+
+- a conversation's *prompt* is its first user turn, compared as text with whitespace runs
+  collapsed and case folded (`prompt_key`); conversations whose prompt was seen before are
+  dropped as `duplicate_prompt` (the first one is kept);
+- `heldout` conversations are drawn by a seeded shuffle; the rest is the training file;
+- `--exclude FILE` (repeatable: HumanEval, MT-bench, any prompt file reported on) removes
+  from training every conversation whose user turns contain one of that file's user-side
+  texts (HumanEval's `prompt`, MT-bench's `turns`, chat users' contents), counted as
+  `overlaps_eval_set`. Texts shorter than `MIN_OVERLAP_CHARS` are compared whole instead of
+  as substrings: "hi" inside a conversation says nothing.
+
+Both outputs are OpenAI `messages` JSONL, as `dspark prepare` and `dspark regenerate` read them;
+a summary (counts by reason) is printed and written to `TRAIN.summary.json`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import re
+from collections import Counter
+from pathlib import Path
+
+from dspark.errors import InputError
+from dspark.fingerprint import sha256_json
+
+MIN_OVERLAP_CHARS = 40
+_SPACE = re.compile(r"\s+")
+_USER_KEYS = {"prompt", "turns", "question", "instruction", "input"}  # prompt-file fields that hold user text
+
+
+def prompt_key(text: str) -> str:
+    return _SPACE.sub(" ", text).strip().casefold()
+
+
+def _user_texts(messages: list[dict]) -> list[str]:
+    return [m["content"] for m in messages if m["role"] == "user" and isinstance(m.get("content"), str)]
+
+
+def _record_texts(record) -> list[str]:
+    """Every user-side string of one prompt-file record, whatever its format."""
+    if not isinstance(record, dict):
+        return []
+    out = []
+    for key, value in record.items():
+        if key in ("messages", "conversations") and isinstance(value, list):
+            out += [str(t.get("content", t.get("value", ""))) for t in value if isinstance(t, dict)
+                    and str(t.get("role", t.get("from", ""))).lower() in ("user", "human", "prompter")]
+        elif key in _USER_KEYS and isinstance(value, str):
+            out.append(value)
+        elif key in _USER_KEYS and isinstance(value, list):
+            out += [v for v in value if isinstance(v, str)]
+    return out
+
+
+def eval_texts(path: Path) -> list[str]:
+    """The user-side texts of a prompt file (JSONL or a JSON array, gzip or not)."""
+    if not path.is_file():
+        raise InputError(f"--exclude file {path} does not exist", "pass the prompt files you will report on")
+    raw = path.read_bytes()
+    if raw[:2] == b"\x1f\x8b":
+        raw = gzip.decompress(raw)
+    text = raw.decode("utf-8-sig", errors="replace")
+    try:
+        records = json.loads(text) if text.lstrip().startswith("[") else \
+            [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise InputError(f"--exclude file {path} is not JSON lines or a JSON array ({e.msg}, line {e.lineno})",
+                         "pass a prompt file in a format `dspark eval --decode --prompts` reads") from None
+    texts = [prompt_key(t) for r in records for t in _record_texts(r) if t.strip()]
+    if not texts:
+        raise InputError(f"--exclude file {path} holds no user text",
+                         "pass chat JSONL, HumanEval, MT-bench or LongBench prompt files")
+    return texts
+
+
+def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int = 0,
+          exclude: list[Path] = ()) -> dict:
+    from dspark.prepare import read_conversations
+
+    if heldout < 0:
+        raise InputError(f"--heldout {heldout} is negative", "pass how many conversations to hold out")
+    chats = read_conversations(Path(data))
+    dropped = Counter(chats.dropped)
+    unique, seen = [], set()
+    for messages in chats.conversations:
+        users = _user_texts(messages)
+        key = prompt_key(users[0]) if users else ""
+        if not key:
+            dropped["no_user_text"] += 1
+        elif key in seen:
+            dropped["duplicate_prompt"] += 1
+        else:
+            seen.add(key)
+            unique.append((key, messages))
+    if heldout >= len(unique):
+        raise InputError(f"--heldout {heldout} leaves nothing to train on ({len(unique)} distinct prompts in {data})",
+                         f"hold out fewer than {len(unique)}")
+    order = list(range(len(unique)))
+    random.Random(seed).shuffle(order)
+    held = sorted(order[:heldout])  # file order within each side: reruns and diffs stay readable
+    held_set = set(held)
+    long_texts, short_texts = [], set()
+    for path in exclude:
+        for t in eval_texts(Path(path)):
+            if len(t) >= MIN_OVERLAP_CHARS:
+                long_texts.append(t)
+            else:
+                short_texts.add(t)
+    train = []
+    for i, (key, messages) in enumerate(unique):
+        if i in held_set:
+            continue
+        users = [prompt_key(t) for t in _user_texts(messages)]
+        joined = "\0".join(users)  # one substring search per eval text, never across two turns
+        if any(u in short_texts for u in users) or any(t in joined for t in long_texts):
+            dropped["overlaps_eval_set"] += 1
+            continue
+        train.append(messages)
+    _write(train_out, train)
+    _write(heldout_out, [unique[i][1] for i in held])
+    summary = {"data": str(data), "conversations": chats.records, "distinct_prompts": len(unique),
+               "train": len(train), "heldout": len(held), "seed": seed, "exclude": [str(p) for p in exclude],
+               "dropped_by_reason": dict(dropped.most_common()),
+               "fingerprint": sha256_json({"train": train, "heldout": [unique[i][1] for i in held]})}
+    Path(f"{train_out}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _write(path: Path, conversations: list[list[dict]]) -> None:
+    """Whole or not at all: a temp file renamed into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for messages in conversations:
+            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
