@@ -17,13 +17,16 @@ Output folder (written to a temp folder, then renamed: never half-written):
 from __future__ import annotations
 
 import codecs
+import gzip
 import hashlib
 import json
 import os
 import re
 import shutil
 import tempfile
+import zlib
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from multiprocessing import get_context
@@ -121,6 +124,8 @@ class ChatData:
     first_drop: dict = field(default_factory=dict)  # reason -> "path:line: what" of its first case
     mapped_roles: Counter = field(default_factory=Counter)
     repaired: Counter = field(default_factory=Counter)
+    cut_bytes: int = 0  # a JSON array that ends mid-record: the bytes after its last complete record
+    cut_warning: str = ""  # ... and a sentence saying so
 
 
 class _Drop(Exception):
@@ -137,14 +142,35 @@ _SKIP_FIX = "or pass --skip-invalid-lines to skip and count such lines"
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
+@contextmanager
+def open_data(path: Path):
+    """`path` opened for reading bytes; gzip (found by its magic bytes, not its name) is decompressed.
+
+    A gzip stream that is damaged or cut off is an `InputError` wherever the reading stops.
+    """
+    with open(path, "rb") as f:
+        zipped = f.read(2) == b"\x1f\x8b"
+    with (gzip.open(path, "rb") if zipped else open(path, "rb")) as f:
+        try:
+            yield f
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise InputError(f"{path}: its gzip stream is damaged or cut off ({e})",
+                             f"download it again, or keep what is readable: gunzip -c {path} > {path}.txt") from None
+
+
 def read_conversations(path: Path, role_map: str | dict | None = None, strict: bool = False,
-                       skip_invalid_lines: bool = False) -> ChatData:
-    """Parse chat JSONL (or one JSON array of records) as real dumps come.
+                       skip_invalid_lines: bool = False, require_assistant: bool = True) -> ChatData:
+    """Parse chat JSONL (or one JSON array of records; either may be gzipped) as real dumps come.
 
     Conversations that cannot be trained on (empty, system-only, no assistant turn, a role
     neither `ROLES` nor `role_map` knows) are dropped and counted by reason; with `strict` the
     first one is an error naming its line. Lines that are not UTF-8 or not JSON fail, naming
-    the line, unless `skip_invalid_lines` counts and skips them.
+    the line, unless `skip_invalid_lines` counts and skips them. A JSON array cut off at the
+    end (ShareGPT dumps truncated by a download or an upload limit) yields every complete
+    record and says how much was cut in `ChatData.cut_bytes` and `.cut_warning` (with
+    `strict`, it is an error); an array malformed before its end is an error naming the line,
+    column and record. Without `require_assistant` (decode prompts), conversations of user and
+    system turns only are kept.
     """
     if not path.is_file():
         raise InputError(f"data file {path} does not exist", "pass --data a chat JSONL file")
@@ -158,7 +184,7 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
 
     def accept(record, where: str) -> None:
         try:
-            messages = _normalize(record, roles, data)
+            messages = _normalize(record, roles, data, require_assistant)
         except _Invalid as e:
             return invalid(where, e.detail, e.fix)
         except _Drop as e:
@@ -168,15 +194,18 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
         data.conversations.append(messages)
         data.where.append(where)
 
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         head = f.read(4096)
         if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
             raise InputError(f"{path} is UTF-16 text, not UTF-8",
                              f"convert it: iconv -f UTF-16 -t UTF-8 {path} > chat.utf8.jsonl")
         f.seek(0)
         if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
-            for where, record in _json_array(path, f.read()):
+            for where, record in _json_array(path, f, data):
                 accept(record, where)
+            if data.cut_warning and strict:
+                raise InputError(data.cut_warning, "download the file again, or run without --strict "
+                                                   "to keep its complete records")
         else:
             for lineno, raw in enumerate(f, 1):
                 if lineno == 1:
@@ -198,27 +227,103 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
                 accept(record, where)
     if not data.records:
         skipped = f" ({data.invalid_lines} invalid lines skipped)" if data.invalid_lines else ""
-        raise InputError(f"data file {path} holds no conversations{skipped}", "pass a non-empty chat JSONL file")
+        cut = f"; {data.cut_warning}" if data.cut_warning else ""
+        raise InputError(f"data file {path} holds no conversations{skipped}{cut}", "pass a non-empty chat JSONL file")
     return data
 
 
-def _json_array(path: Path, raw: bytes):
-    """The records of a file holding one JSON array (how some public dumps ship), with their places."""
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise InputError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})",
-                         "re-encode the file as UTF-8 (a JSON array cannot skip lines)") from None
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{e.lineno}: malformed JSON ({e.msg} at column {e.colno})",
-                         "fix the file (a JSON array cannot skip lines), or convert it to JSONL") from None
-    if not isinstance(records, list):
+# What json's decoder may have been reading when its input ran out, from the position its error
+# names: part of a literal, a number's tail ("1." "1e+"), part of a \uXXXX escape (a high surrogate
+# waits for its low half). A string cut short is an "Unterminated string" error; any other error
+# is a mistake in the text.
+_PARTIAL_TOKEN = re.compile(r"(t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|-|\.|[eE][-+]?"
+                            r"|u[0-9a-fA-F]{0,4}(\\(u[0-9a-fA-F]{0,3})?)?)?")
+_ARRAY_CHUNK = 1 << 24  # characters read at a time: memory holds a chunk plus the record being parsed
+
+
+def _ends_mid_value(text: str, e: json.JSONDecodeError) -> bool:
+    """Whether decoding `text` failed only because it stops inside a value (more text may complete it)."""
+    return e.msg.startswith("Unterminated string") or bool(_PARTIAL_TOKEN.fullmatch(text[e.pos:].strip()))
+
+
+def _json_array(path: Path, f, data: ChatData):
+    """The records of a file holding one JSON array (how some public dumps ship), with their places.
+
+    Read incrementally (`raw_decode` over a buffer of `_ARRAY_CHUNK` characters), so a dump of
+    GBs is never in memory whole. When the input ends inside the array, every complete record
+    is yielded and `data.cut_bytes` / `data.cut_warning` say how much followed the last one;
+    any other parse error raises, naming the line, column and record.
+    """
+    fix = "fix the file (a JSON array cannot skip lines), or convert it to JSONL"
+    decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()
+    buf, pos, end, eof = "", 0, 0, False  # end: where the last complete record ends in buf
+    line, col = 1, 0  # the line buf[0] is on, and the characters before it on that line
+    partial = b""  # the bytes of a UTF-8 character the input ends inside
+
+    def more() -> bool:
+        """Append the next chunk to `buf`, dropping what precedes `end`; False at the end of the input."""
+        nonlocal buf, pos, end, eof, line, col, partial
+        if eof:
+            return False
+        raw = f.read(_ARRAY_CHUNK)
+        if not raw:  # a character cut in half at the end is part of the cut, not an encoding error
+            partial = utf8.getstate()[0]
+        try:
+            text = utf8.decode(raw) if raw else ""
+        except UnicodeDecodeError as e:
+            at = line + buf.count("\n") + raw[: e.start].count(b"\n")
+            raise InputError(f"{path}:{at}: not UTF-8 (byte 0x{raw[e.start]:02x})",
+                             "re-encode the file as UTF-8 (a JSON array cannot skip lines)") from None
+        newlines = buf.count("\n", 0, end)
+        col = end - buf.rfind("\n", 0, end) - 1 if newlines else col + end
+        line += newlines
+        buf, pos, end, eof = buf[end:] + text, pos - end, 0, not raw
+        return True
+
+    def skip_space() -> str:
+        """The next non-space character, not consumed ('' at the end of the input)."""
+        nonlocal pos
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf) or not more():
+                return buf[pos:pos + 1]
+
+    def malformed(msg: str, at: int, where: str) -> InputError:
+        lineno = line + buf.count("\n", 0, at)
+        column = at - buf.rfind("\n", 0, at) if lineno > line else col + at + 1
+        return InputError(f"{path}:{lineno}: malformed JSON {where} ({msg} at column {column})", fix)
+
+    if skip_space() != "[":
         raise InputError(f"{path} is not JSON lines nor a JSON array of conversations",
                          'write {"messages": [...]} per line')
-    return ((f"{path} record {i}", r) for i, r in enumerate(records, 1))
+    pos += 1
+    n, closed = 0, skip_space() == "]"
+    pos += closed
+    while not closed and skip_space():
+        try:
+            record, stop = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError as e:
+            if not _ends_mid_value(buf, e):
+                raise malformed(e.msg, e.pos, f"in record {n + 1}") from None
+            if more():
+                continue
+            break  # the input ends inside a record
+        if stop == len(buf) and more():
+            continue  # a bare number may go on in the next chunk: decode it again
+        n, pos, end = n + 1, stop, stop
+        yield f"{path} record {n}", record
+        sep = skip_space()
+        if sep and sep not in ",]":
+            raise malformed("Expecting ',' delimiter", pos, f"after record {n}")
+        pos += bool(sep)
+        closed = sep == "]"
+    if not closed:
+        data.cut_bytes = len(buf[end:].encode("utf-8")) + len(partial)
+        data.cut_warning = (f"{path} ends inside its JSON array: {data.cut_bytes} bytes after record {n}, the last "
+                            "complete one, were not read (a truncated download?)")
+    elif skip_space():
+        raise malformed("Extra data", pos, "after the array")
 
 
 def record_drop(dropped: Counter, first: dict, reason: str, what: str, strict: bool) -> None:
@@ -240,7 +345,7 @@ def _drop_fix(reason: str, strict: bool = False) -> str:
     return "fix or delete that line" if strict else "pass conversations with a user and an assistant turn"
 
 
-def _normalize(record, roles: dict, data: ChatData) -> list[dict]:
+def _normalize(record, roles: dict, data: ChatData, require_assistant: bool = True) -> list[dict]:
     if not isinstance(record, dict):
         raise _Invalid("expected a JSON object", 'write {"messages": [...]} per line')
     if "messages" in record:
@@ -272,7 +377,7 @@ def _normalize(record, roles: dict, data: ChatData) -> list[dict]:
         raise _Drop("empty", "empty conversation (every turn is blank)")
     if present == {"system"}:
         raise _Drop("system_only", "the conversation has only system turns")
-    if "assistant" not in present:
+    if "assistant" not in present and require_assistant:
         raise _Drop("no_assistant_turn", "the conversation has no assistant turn")
     return messages
 
@@ -412,7 +517,10 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
              "dropped_by_reason": dict(data.dropped.most_common()), "invalid_lines": data.invalid_lines,
              "tokens": int(len(input_ids)), "supervised_tokens": int(loss_mask.sum()),
              "truncated": sum(1 for ids, _, _ in results if ids is not None and len(ids) == cfg.seq_length),
-             "mapped_roles": dict(sorted(data.mapped_roles.items())), "repaired": dict(sorted(data.repaired.items()))}
+             "mapped_roles": dict(sorted(data.mapped_roles.items())), "repaired": dict(sorted(data.repaired.items())),
+             "cut_bytes": data.cut_bytes}
+    if data.cut_warning:
+        stats["warnings"] = [data.cut_warning]
     fingerprint = hashlib.sha256(input_ids.tobytes() + loss_mask.tobytes() + offsets.tobytes()).hexdigest()
     meta = {"format": PREPARE_FORMAT, "config": asdict(cfg), "inputs_key": inputs_key,
             "tokenizer_hash": tokenizer_hash(model), "fingerprint": fingerprint,

