@@ -101,6 +101,21 @@ def longbench_cmd(output, model, texts, lengths, per_length, seed):
 
 
 @main.command()
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Chat data in any format prepare reads.")
+@click.option("--train", "train_out", required=True, type=click.Path(path_type=Path), help="Training JSONL to write.")
+@click.option("--heldout-output", required=True, type=click.Path(path_type=Path), help="Held-out JSONL to write.")
+@click.option("--heldout", type=click.IntRange(min=0), required=True, help="Conversations to hold out.")
+@click.option("--exclude", multiple=True, type=click.Path(path_type=Path),
+              help="A prompt file reported on (HumanEval, MT-bench, chat JSONL; repeatable): its prompts leave training.")
+@click.option("--seed", type=int, default=0, show_default=True)
+def holdout(data, train_out, heldout_output, heldout, exclude, seed):
+    """Split chat data into training and held-out prompts; no prompt text is in both (duplicates dropped)."""
+    from dspark.holdout import split
+
+    _echo_json(split(data, train_out, heldout_output, heldout, seed, list(exclude)))
+
+
+@main.command()
 @click.option("--model", required=True, help="Verifier folder (for its tokenizer and chat template).")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--data", required=True, help="Chat JSONL: OpenAI `messages` or ShareGPT `conversations`.")
@@ -131,6 +146,33 @@ def prepare(**kw):
         skipped = f"; skipped {summary['invalid_lines']} invalid lines" if summary.get("invalid_lines") else ""
         click.secho(f"kept {summary['kept']} of {summary['conversations']} conversations; dropped "
                     f"{summary['dropped']}{f' ({reasons})' if reasons else ''}{skipped}", fg="yellow", err=True)
+    for warning in summary.get("warnings", []):
+        click.secho(f"warning: {warning}", fg="yellow", err=True)
+    _echo_json(summary)
+
+
+from dspark.regenerate import RegenerateConfig  # noqa: E402  (torch-free: its fields make the options below)
+
+
+@main.command()
+@config_file_option(RegenerateConfig)
+@options(RegenerateConfig)
+@click.option("--no-progress", is_flag=True)
+def regenerate(no_progress, **kw):
+    """The verifier writes its own replies to a chat file's prompts (chat JSONL for `dspark prepare`).
+
+    First assistant turn only; resumable and crash-safe (rerun the same command); a summary is
+    printed and saved as OUTPUT.summary.json. Run from .venv-vllm for --engine vllm.
+    """
+    from dspark.regenerate import regenerate as run
+
+    summary = run(build(RegenerateConfig, nest(kw), "the command line"), progress=not no_progress)
+    click.echo(f"regenerate {summary['output']}: {summary['note']}", err=True)
+    if summary["dropped"] or summary["truncated"]:
+        reasons = ", ".join(f"{r} {n}" for r, n in summary["dropped_by_reason"].items())
+        click.secho(f"wrote {summary['written']} of {summary['prompts']} prompts; {summary['truncated']} replies cut "
+                    f"at --max-new-tokens (kept); dropped {summary['dropped']}{f' ({reasons})' if reasons else ''}",
+                    fg="yellow", err=True)
     _echo_json(summary)
 
 
@@ -267,7 +309,8 @@ def launch_vllm(argv):
 @click.option("--decode", is_flag=True, help="Also decode for real: the drafter proposes, the verifier checks, "
               "on --prompts; per-position acceptance per set, long-context buckets, speedup (decode.json/.md/.png).")
 @click.option("--prompts", multiple=True, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, "
-              "ShareGPT, a prepared folder or LongBench JSONL (default: the run's prepared data).")
+              "ShareGPT, HumanEval, MT-bench question.jsonl, LongBench JSONL (any gzipped) or a prepared folder "
+              "(default: the run's prepared data).")
 @click.option("--max-prompts", type=click.IntRange(min=1), default=20, show_default=True, help="Per prompt set.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy.")
@@ -341,6 +384,27 @@ def replay_cmd(run, store, tolerance, no_progress):
     else:
         click.secho(f"DIVERGED: {result['first_divergence']}", fg="red", err=True)
         sys.exit(1)
+
+
+@main.group()
+def verifier():
+    """Bring a verifier in from other formats."""
+
+
+@verifier.command("import")
+@click.argument("source")
+@click.option("--output", required=True, type=click.Path(path_type=Path), help="The model folder to write.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16",
+              show_default=True, help="Weight dtype of the written safetensors.")
+@click.option("--force", is_flag=True, help="Overwrite a non-empty --output.")
+def verifier_import_cmd(source, output, dtype, force):
+    """Dequantize a GGUF into a plain Hugging Face folder (model, tokenizer, chat template).
+
+    SOURCE: a .gguf path, `pkg:PACKAGE/PATH` (a file inside an installed package) or an alias
+    (`smollm2-135m-instruct`). Rerunning a finished import writes nothing."""
+    from dspark.verifier_import import import_gguf
+
+    _echo_json(import_gguf(source, output, dtype=dtype, force=force))
 
 
 @main.group()
