@@ -306,6 +306,11 @@ def launch_vllm(argv):
 @click.option("--device", default="auto", show_default=True)
 @click.option("--on-damaged", type=click.Choice(["skip", "raise"]), default="skip", show_default=True,
               help="A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
+@click.option("--max-anchors", type=click.IntRange(min=0), default=None, metavar="N",
+              help="Blocks to score: a seeded uniform sample of N of the split's anchors (default 2048, "
+                   "dspark.evaluate.MAX_ANCHORS); 0 scores every one. The report says how many of how many.")
+@click.option("--anchor-seed", type=int, default=None, help="Which anchors are sampled (default 0): the same seed "
+              "scores the same blocks, so checkpoints of one run compare on them.")
 @click.option("--decode", is_flag=True, help="Also decode for real: the drafter proposes, the verifier checks, "
               "on --prompts; per-position acceptance per set, long-context buckets, speedup (decode.json/.md/.png).")
 @click.option("--prompts", multiple=True, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, "
@@ -329,9 +334,9 @@ def launch_vllm(argv):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--ignore-eos", is_flag=True, help="Decode the full --max-new-tokens for every prompt.")
 @click.option("--no-progress", is_flag=True)
-def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged, decode, prompts,
-             max_prompts, max_new_tokens, temperature, draft_sample, rejection, layout, num_speculative_tokens,
-             confidence_threshold, no_confidence, dtype, seed, ignore_eos, no_progress):
+def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged, max_anchors,
+             anchor_seed, decode, prompts, max_prompts, max_new_tokens, temperature, draft_sample, rejection, layout,
+             num_speculative_tokens, confidence_threshold, no_confidence, dtype, seed, ignore_eos, no_progress):
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
     from dspark.evaluate import markdown, run_eval
 
@@ -341,7 +346,9 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
         cfg = DecodeConfig(checkpoint, list(prompts), verifier_name_or_path, max_prompts, max_new_tokens, temperature,
                            draft_sample, rejection, layout, num_speculative_tokens,
                            None if no_confidence else confidence_threshold, dtype, seed, ignore_eos).validate()
-    result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged)
+    sample = {k: v for k, v in (("max_anchors", max_anchors), ("anchor_seed", anchor_seed)) if v is not None}
+    result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged,
+                           **sample)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
     if decode:

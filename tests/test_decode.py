@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from conftest import run_cli, train_cfg, write_jsonl
-from dspark.decode.drafter import Drafter, Proposal
-from dspark.decode.loop import accept, autoregressive, speculative
+from dspark.decode.drafter import DraftContext, Drafter, Proposal
+from dspark.decode.loop import accept, autoregressive, prefill, speculative
 from dspark.decode.report import summarize
-from dspark.decode.verifier import Verifier
+from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.evaluate import load_checkpoint
 from dspark.prepare import PreparedData
 
@@ -57,6 +57,83 @@ def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anc
     torch.testing.assert_close(ours, logits[0], atol=1e-4, rtol=1e-4)  # float32, any x86 CPU
 
 
+@pytest.mark.parametrize("layout", ["dspark", "dflash-v1"])
+def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(decoder, prepared, layout):
+    model, v = decoder
+    cached, reference = Drafter(model, layout), Drafter(model, layout, kv_cache=False)
+    prompt = _prompts(prepared, 1)[0]
+    ids = prompt + autoregressive(v, prompt, 48).tokens
+    v.reset()
+    _, states = v.forward(ids)
+    P = len(prompt)
+    ctx, ref = cached.context(states[:P]), reference.context(states[:P])
+    # extended as decoding does, by 1 + accepted tokens per step, past the room first reserved
+    for step, n in enumerate([1, 9, 3, 1, 5, 9, 9, 2]):
+        anchor = ids[ctx.length]
+        torch.testing.assert_close(model.lm_head(cached._block_hidden(ctx, anchor)),
+                                   model.lm_head(reference._block_hidden(ref, anchor)), rtol=1e-4, atol=1e-4)
+        ours, theirs = cached.propose(ctx, anchor), reference.propose(ref, anchor)
+        assert ours.tokens.tolist() == theirs.tokens.tolist()
+        if layout == "dspark":
+            torch.testing.assert_close(ours.confidence, theirs.confidence, rtol=1e-4, atol=1e-5)
+        g1, g2 = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
+        ours, theirs = cached.propose(ctx, anchor, 1.0, g1), reference.propose(ref, anchor, 1.0, g2)
+        assert ours.tokens.tolist() == theirs.tokens.tolist()
+        torch.testing.assert_close(ours.probs, theirs.probs, rtol=1e-4, atol=1e-6)
+        cached.extend(ctx, states[ctx.length:ctx.length + n])
+        reference.extend(ref, states[ref.length:ref.length + n])
+        assert ctx.length == ref.length == len(ref.hidden)
+    assert ctx.capacity > P + 9 + cached.slots  # it grew
+    ctx.rewind(P)  # a prompt's context, reused: the same proposals as a new one
+    fresh = cached.context(states[:P])
+    assert cached.propose(ctx, ids[P]).tokens.tolist() == cached.propose(fresh, ids[P]).tokens.tolist()
+    torch.testing.assert_close(cached._block_hidden(ctx, ids[P]), cached._block_hidden(fresh, ids[P]),
+                               rtol=0, atol=0)
+
+
+def test_the_verifiers_grouped_query_attention_computes_what_transformers_sdpa_does(decoder, prepared):
+    _, v = decoder
+    assert v.model.config._attn_implementation == GQA_SDPA and v.model.config.num_key_value_heads == 2
+    prompt = _prompts(prepared, 1)[0]
+    out = {}
+    try:
+        for impl in (GQA_SDPA, "sdpa"):
+            v.model.set_attn_implementation(impl)
+            v.reset()
+            last, _ = v.forward(prompt, last_only=True)
+            logits, states = v.forward(prompt[:9])  # a verification: 9 tokens under a causal mask
+            out[impl] = last, logits, states
+    finally:
+        v.model.set_attn_implementation(GQA_SDPA)
+    for ours, theirs in zip(out[GQA_SDPA], out["sdpa"]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+    v.reset()
+    every, _ = v.forward(prompt)
+    torch.testing.assert_close(out[GQA_SDPA][0][0], every[-1], rtol=1e-5, atol=1e-5)  # last_only: that row alone
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder, prepared, temperature):
+    model, v = decoder
+    drafter, eos = Drafter(model), {v.model.config.eos_token_id}
+    prompt = _prompts(prepared, 3)[2]
+    gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
+    kw = dict(temperature=temperature, eos=eos)
+    alone = [speculative(v, drafter, prompt, 40, gen=gen(), **kw), autoregressive(v, prompt, 40, gen=gen(), **kw),
+             speculative(v, drafter, prompt, 40, gen=gen(), confidence_threshold=0.5, **kw)]
+    pre = prefill(v, drafter, prompt)
+    shared = [speculative(v, drafter, prompt, 40, gen=gen(), prefilled=pre, **kw),
+              autoregressive(v, prompt, 40, gen=gen(), prefilled=pre, **kw),
+              speculative(v, drafter, prompt, 40, gen=gen(), confidence_threshold=0.5, prefilled=pre, **kw)]
+    for a, b in zip(alone, shared):
+        assert (a.tokens, a.accepted, a.verified) == (b.tokens, b.accepted, b.verified)
+        # each is charged the shared forward, as if it had done its own
+        assert b.prefill_s == pre.seconds and b.seconds >= b.prefill_s + b.verify_s
+    assert shared[0].draft_s >= pre.draft_s
+    with pytest.raises(ValueError, match="another prompt"):
+        autoregressive(v, prompt[:-1], 4, prefilled=pre)
+
+
 @pytest.mark.parametrize("layout,threshold", [("dspark", None), ("dspark", 0.5), ("dflash-v1", None)])
 def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layout, threshold):
     model, v = decoder
@@ -95,10 +172,13 @@ class _Oracle:
         self.reference, self.prompt_len, self.num_speculative_tokens = reference, prompt_len, n
 
     def context(self, states):
-        return states
+        return DraftContext([], [], states)
+
+    def extend(self, ctx, states):
+        ctx.hidden, ctx.length = torch.cat([ctx.hidden, states]), ctx.length + len(states)
 
     def propose(self, ctx, anchor, *_, **__):
-        done = ctx.shape[0] - self.prompt_len + 1  # output tokens so far: the context stops before the anchor
+        done = len(ctx.hidden) - self.prompt_len + 1  # output tokens so far: the context stops before the anchor
         n = self.num_speculative_tokens
         return Proposal(torch.tensor((self.reference[done:] + [0] * n)[:n]), None, None)
 
@@ -161,7 +241,8 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     c, _ = reference_run
     lb = tmp_path / "lb.jsonl"
     run_cli("longbench", "--output", lb, "--model", verifier, "--lengths", "6000", "400", "--per-length", "1")
-    user_only = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": "hello"}]}])
+    # no user turn: nothing to prompt with (a user turn alone is a prompt: MT-bench-style sets are)
+    no_user = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "system", "content": "hello"}]}])
     proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "ev",
                    "--prompts", f"chat={chat_file}", "--prompts", f"long={lb}", "--max-prompts", "2",
                    "--max-new-tokens", "16", "--no-progress")
@@ -178,8 +259,8 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     assert "| chat | 2 |" in md and "teacher-forced" in md and md in proc.stdout
     assert (tmp_path / "ev" / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     none = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e2",
-                   "--prompts", user_only, "--no-progress", check=False)
+                   "--prompts", no_user, "--no-progress", check=False)
     assert none.returncode == 2 and "asks" in none.stderr and "Traceback" not in none.stderr
     twice = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e3",
-                    "--prompts", user_only, "--prompts", f"asks={chat_file}", check=False)
+                    "--prompts", no_user, "--prompts", f"asks={chat_file}", check=False)
     assert twice.returncode == 2 and "named asks" in twice.stderr and "NAME=PATH" in twice.stderr

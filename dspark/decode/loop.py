@@ -9,6 +9,11 @@ Verification follows vLLM's rejection sampler (v1/worker/gpu/spec_decode/rejecti
   block-level test passes is accepted (a later position can pass after an earlier one failed),
   the next token comes from max(c_tau * p_tau - q_tau, 0) with c the capped running ratio p/q.
 All three sample exactly from the verifier's distribution; they differ in how much they accept.
+
+A prompt's forward is done once (`prefill`) and shared by every decode of that prompt: each
+cuts the verifier's cache and the drafter's context back to the prompt and goes on from there.
+Its measured time is charged to each of them (`prefill_s`, inside `seconds`), so every run's
+timings, and the speedup between two runs, read as if each had done its own prompt forward.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from dspark.decode.drafter import Drafter, DraftSample
+from dspark.decode.drafter import DraftContext, Drafter, DraftSample
 from dspark.decode.verifier import Verifier
 
 Rejection = Literal["block", "standard"]
@@ -34,8 +39,48 @@ class Trace:
     accepted: list[int] = field(default_factory=list)
     draft_s: float = 0.0    # drafter: proposals and the context it keeps
     verify_s: float = 0.0   # verifier forwards after the prompt's
-    prefill_s: float = 0.0  # the verifier's forward over the prompt
+    prefill_s: float = 0.0  # the verifier's forward over the prompt (shared: see the module docstring)
     seconds: float = 0.0
+
+
+@dataclass
+class Prefill:
+    """A prompt's forward, shared by every decode of that prompt.
+
+    The verifier's cache and the drafter's context are kept as the forward left them; a decode
+    cuts both back to `length` (later tokens are written past it, the prompt's are never touched).
+    """
+
+    length: int
+    logits: torch.Tensor             # [vocab] the verifier's next-token logits after the prompt
+    cache: object                    # the verifier's KV cache
+    banned: list[int]
+    seconds: float                   # the verifier's forward
+    context: DraftContext | None = None  # the drafter's context of the prompt (None for the verifier alone)
+    draft_s: float = 0.0             # computing it
+
+
+def prefill(verifier: Verifier, drafter: Drafter | None, prompt: list[int], banned: set[int] = frozenset()) -> Prefill:
+    """The prompt's forward (last logits only) and, with a drafter, its context. `banned`: see Verifier.reset."""
+    start = time.perf_counter()
+    verifier.reset(banned)
+    logits, states = verifier.forward(prompt, last_only=True)
+    t = time.perf_counter()
+    context = None if drafter is None else drafter.context(states)
+    return Prefill(verifier.length, logits[-1], verifier.cache, verifier.banned, t - start, context,
+                   time.perf_counter() - t)
+
+
+def _start(verifier: Verifier, drafter, prompt: list[int], banned: set[int], pre: Prefill | None) -> Prefill:
+    """This decode's prefill: `pre` cut back to the prompt, or a new one."""
+    if pre is None:
+        return prefill(verifier, drafter, prompt, banned)
+    if pre.length != len(prompt) or sorted(banned) != pre.banned or (drafter is not None and pre.context is None):
+        raise ValueError("this prefill is of another prompt or request")
+    verifier.resume(pre.cache, pre.length, pre.banned)
+    if drafter is not None:
+        pre.context.rewind(pre.length)
+    return pre
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -114,15 +159,14 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, temperature: float = 0.0,
                 method: Rejection = "block", eos: set[int] = frozenset(), ignore_eos: bool = False,
                 confidence_threshold: float | None = None, gen: torch.Generator | None = None,
-                draft_sample: DraftSample = "probabilistic") -> Trace:
-    start = time.perf_counter()
-    verifier.reset(eos if ignore_eos else set())  # vLLM's ignore_eos: stop tokens are never sampled
-    logits, states = verifier.forward(prompt)
-    t = time.perf_counter()
-    ctx = drafter.context(states)
-    trace = Trace([_first_token(logits[-1], temperature, gen)])
-    trace.prefill_s = t - start
-    trace.draft_s += time.perf_counter() - t
+                draft_sample: DraftSample = "probabilistic", prefilled: Prefill | None = None) -> Trace:
+    """Decode `prompt`; `prefilled`: this prompt's `prefill(verifier, drafter, ...)`, reused instead of another."""
+    # vLLM's ignore_eos: stop tokens are never sampled
+    pre = _start(verifier, drafter, prompt, eos if ignore_eos else set(), prefilled)
+    start = time.perf_counter()  # the decode after the prompt's forward; that forward is charged as measured
+    ctx = pre.context
+    trace = Trace([_first_token(pre.logits, temperature, gen)])
+    trace.prefill_s, trace.draft_s = pre.seconds, pre.draft_s
     done = trace.tokens[0] in eos
     while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
@@ -139,7 +183,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         a, nxt = accept(logits, drafts.to(logits.device), probs, temperature, method, gen)
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
         t2 = time.perf_counter()
-        ctx = torch.cat([ctx, drafter.context(states[: 1 + a])])
+        drafter.extend(ctx, states[: 1 + a])
         step = [*drafts[:a].tolist(), nxt]
         trace.tokens += step
         done = not eos.isdisjoint(step)  # a stop token among the accepted drafts ends the request too
@@ -148,20 +192,20 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         trace.draft_s += (t1 - t) + (time.perf_counter() - t2)
         trace.verify_s += t2 - t1
     trace.tokens = _finish(trace.tokens, max_new, eos)
-    trace.seconds = time.perf_counter() - start
+    trace.seconds = pre.seconds + pre.draft_s + time.perf_counter() - start
     return trace
 
 
 def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperature: float = 0.0,
-                   eos: set[int] = frozenset(), ignore_eos: bool = False, gen: torch.Generator | None = None) -> Trace:
+                   eos: set[int] = frozenset(), ignore_eos: bool = False, gen: torch.Generator | None = None,
+                   prefilled: Prefill | None = None) -> Trace:
     """The verifier decoding alone, one token per forward: the output and speed to compare against."""
+    pre = _start(verifier, None, prompt, eos if ignore_eos else set(), prefilled)
     start = time.perf_counter()
-    verifier.reset(eos if ignore_eos else set())
-    logits, _ = verifier.forward(prompt)
-    tokens = [_first_token(logits[-1], temperature, gen)]
-    prefill_s = time.perf_counter() - start
+    tokens = [_first_token(pre.logits, temperature, gen)]
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits, _ = verifier.forward([tokens[-1]])
         tokens.append(_first_token(logits[-1], temperature, gen))
-    seconds = time.perf_counter() - start
-    return Trace(_finish(tokens, max_new, eos), seconds=seconds, prefill_s=prefill_s, verify_s=seconds - prefill_s)
+    decode_s = time.perf_counter() - start
+    return Trace(_finish(tokens, max_new, eos), seconds=pre.seconds + decode_s, prefill_s=pre.seconds,
+                 verify_s=decode_s)
