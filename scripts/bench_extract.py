@@ -1,19 +1,28 @@
-"""What capturing and storing hidden states costs over a bare verifier forward.
+"""What capturing and storing hidden states costs over each engine's bare forward.
 
     python scripts/bench_extract.py --model cache/models/tiny --data cache/prepared/demo [--repeats 5]
+    .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model M --data PREPARED [--max-samples 200]
 
-Same batches (as `dspark extract` plans them), one process, arms interleaved:
-- bare: the verifier's decoder stack over each batch, nothing captured or kept;
-- extract: the transformers engine (layer hooks, per-sample states) writing every
-  sample to a fresh Zarr store, closed at the end (everything durable).
-Prints medians and the overhead of extract over bare. Reports; asserts nothing.
+Same batches (as `dspark extract` plans them), arms interleaved, warm engines (startup and a
+warm-up on other samples are not timed):
+- transformers, in one process: `bare` runs the verifier's decoder stack over each batch, nothing
+  captured or kept; `extract` is the transformers engine (layer hooks, per-sample states) writing
+  every sample to a fresh Zarr store, closed at the end (everything durable).
+- vllm, a fresh process per arm and repeat (one vLLM engine per process): `bare` is `vllm.LLM`
+  prefilling each batch (max_tokens=1, no connector); `extract` is `dspark extract --engine vllm`'s
+  engine (the extract_hidden_states method + our KV connector writing a Zarr store), timed until
+  every sample is durable.
+Prints medians and the overhead of extract over bare (`--json` also writes them). Reports; asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,21 +32,25 @@ import torch
 from dspark.connector.manifest import manifest_for_model
 from dspark.connector.zarr_store import ZarrSink
 from dspark.extract.runner import plan_batches
-from dspark.extract.transformers_engine import TransformersEngine, _decoder
 from dspark.prepare import PreparedData
 
+WARMUP_SAMPLES = 4
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="cache/models/tiny")
-    ap.add_argument("--data", default="cache/prepared/demo")
-    ap.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 3, 5])
-    ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+
+def _plan(args):
+    """(timed batches, warm-up batch): the first --max-samples samples, then a few others to warm up on."""
     data = PreparedData(args.data)
-    batches = [[(i, data.sample(i)[0]) for i in b] for b in plan_batches(data, args.batch_tokens, 64)]
-    tokens = sum(len(t) for b in batches for _, t in b)
+    n = min(args.max_samples or len(data), len(data) - WARMUP_SAMPLES)
+    if n < 1:
+        sys.exit(f"error: {args.data} has {len(data)} samples; the bench needs more than {WARMUP_SAMPLES}")
+    batches = [[(i, data.sample(i)[0]) for i in b if i < n] for b in plan_batches(data, args.batch_tokens, 64)]
+    warmup = [(i, data.sample(i)[0]) for i in range(n, n + WARMUP_SAMPLES)]
+    return data, [b for b in batches if b], warmup
+
+
+def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
+    from dspark.extract.transformers_engine import TransformersEngine, _decoder
+
     engine = TransformersEngine(args.model, args.target_layer_ids)
     bare = TransformersEngine(args.model, args.target_layer_ids)
     for h in [m for m in bare.model.modules()]:
@@ -45,7 +58,7 @@ def main():
     manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint)
 
     @torch.inference_mode()
-    def run_bare():
+    def run_bare(batches=batches):
         for b in batches:
             ids = [t for _, t in b]
             T = max(map(len, ids))
@@ -55,7 +68,7 @@ def main():
                 x[i, : len(t)], attn[i, : len(t)] = torch.as_tensor(t), 1
             _decoder(bare.model)(input_ids=x, attention_mask=attn, use_cache=False)
 
-    def run_extract():
+    def run_extract(batches=batches):
         root = Path(tempfile.mkdtemp())
         try:
             sink = ZarrSink(root / "store", manifest)
@@ -66,17 +79,95 @@ def main():
             shutil.rmtree(root)
 
     times = {"bare": [], "extract": []}
-    run_bare(), run_extract()  # warm up
+    run_bare([warmup]), run_extract([warmup])
     for _ in range(args.repeats):
         for name, f in (("bare", run_bare), ("extract", run_extract)):
             t = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t)
+    return times
+
+
+def _vllm_worker(args, data, batches, warmup) -> float:
+    """One arm in this process: build the engine, warm it up, return the seconds of the timed batches."""
+    from dspark.connector.config import SinkConfig
+    from dspark.extract.base import open_engine
+    from dspark.extract.launch import cpu_env
+
+    root = Path(tempfile.mkdtemp())
+    try:
+        if args.worker == "bare":
+            import os
+
+            os.environ.update(cpu_env())
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            from vllm import LLM, SamplingParams
+
+            llm = LLM(model=args.model, enforce_eager=not torch.cuda.is_available(), disable_log_stats=True)
+            params = SamplingParams(max_tokens=1)
+
+            def run(batch):
+                llm.generate([{"prompt_token_ids": t.tolist()} for _, t in batch], params, use_tqdm=False)
+        else:
+            sinks = SinkConfig(to="zarr", store=str(root / "store"), prepared_fingerprint=data.fingerprint)
+            engine = open_engine("vllm", model=args.model, target_layer_ids=args.target_layer_ids, sinks=sinks)
+            manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint,
+                                          dtype=engine.dtype_name)
+            sink = ZarrSink(root / "store", manifest)
+
+            def run(batch):
+                engine.run(batch, sink)  # returns once every sample of the batch is durable
+        run(warmup)
+        t = time.perf_counter()
+        for b in batches:
+            run(b)
+        return time.perf_counter() - t
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _vllm(args) -> dict[str, list[float]]:
+    times = {"bare": [], "extract": []}
+    for _ in range(args.repeats):
+        for arm in times:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", arm]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"error: the {arm} arm failed:\n{out.stderr[-3000:]}")
+            times[arm].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    ap.add_argument("--model", default="cache/models/tiny")
+    ap.add_argument("--data", default="cache/prepared/demo")
+    ap.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 3, 5])
+    ap.add_argument("--batch-tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-samples", type=int, default=None, help="Time the first N samples (default: all).")
+    ap.add_argument("--json", type=Path, default=None, help="Also write the figures here.")
+    ap.add_argument("--worker", choices=["bare", "extract"], default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    data, batches, warmup = _plan(args)
+    if args.worker:
+        print(json.dumps({"seconds": _vllm_worker(args, data, batches, warmup)}))
+        return
+    times = _vllm(args) if args.engine == "vllm" else _transformers(args, data, batches, warmup)
+    tokens = sum(len(t) for b in batches for _, t in b)
     b, e = statistics.median(times["bare"]), statistics.median(times["extract"])
-    print(f"# {len(data)} samples, {tokens} tokens, {len(batches)} batches; medians of {args.repeats}")
+    result = {"engine": args.engine, "model": args.model, "samples": sum(map(len, batches)), "tokens": tokens,
+              "repeats": args.repeats, "bare_s": b, "extract_s": e, "bare_tokens_per_s": tokens / b,
+              "extract_tokens_per_s": tokens / e, "overhead": e / b - 1, "times": times}
+    print(f"# {args.engine}: {result['samples']} samples, {tokens} tokens, {len(batches)} batches; "
+          f"medians of {args.repeats}")
     print("| arm | seconds | tokens/s |\n|---|---:|---:|")
     print(f"| bare forward | {b:.3f} | {tokens / b:,.0f} |\n| extract (capture + Zarr write) | {e:.3f} | {tokens / e:,.0f} |")
     print(f"capture + write overhead: {100 * (e / b - 1):+.1f}%")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
