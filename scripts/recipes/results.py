@@ -1,0 +1,149 @@
+"""Gather what scripts/recipes/smollm2.sh measured into RECIPE/results.md and results.json.
+
+    python scripts/recipes/results.py cache/recipes/smollm2
+
+Reads the reports the pipeline's own commands wrote (holdout and regenerate summaries, prepare
+stats, `dspark eval` eval.json/decode.json of both drafters, bench_extract JSON, step timings)
+and sets them against the issue's goals. A figure that is missing (its step has not run yet)
+is reported as missing, never made up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+# (dataset, what, threshold): the goals, on held-out prompts, greedy, 8 drafts per step, 2 CPU cores.
+LENGTH_GOALS = [("humaneval", 3.5), ("sharegpt", 2.5), ("mtbench", 2.5)]
+SPEEDUP_GOALS = [("sharegpt", 1.3), ("humaneval", 1.3)]
+OVERHEAD_GOAL = 0.10
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _datasets(decode: dict | None) -> dict[str, dict]:
+    return {d["name"]: d for d in (decode or {}).get("datasets", [])}
+
+
+def _machine() -> str:
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    flags = open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else ""
+    isa = "AVX-512" + (" with BF16" if "avx512_bf16" in flags else "") if "avx512f" in flags else "AVX2"
+    return f"{os.cpu_count()} cores ({model}, {isa})"
+
+
+def _goal(label: str, value: float | None, threshold: float, fmt: str, higher: bool = True) -> dict:
+    if value is None:
+        return {"goal": label, "value": None, "met": None}
+    return {"goal": label, "value": value, "threshold": threshold,
+            "met": value >= threshold if higher else value <= threshold, "shown": fmt.format(value)}
+
+
+def gather(root: Path) -> dict:
+    runs = {arm: root / "runs" / arm / "latest" / "eval" for arm in ("regen", "original")}
+    decode = {arm: _load(p / "decode.json") for arm, p in runs.items()}
+    teacher = {arm: _load(p / "eval.json") for arm, p in runs.items()}
+    bench = {e: _load(root / "bench" / f"extract-{e}.json") for e in ("transformers", "vllm")}
+    sets = _datasets(decode["regen"])
+    goals = [_goal(f"mean acceptance length on {name} >= {t}",
+                   sets[name]["decoded"]["mean_acceptance_length"] if name in sets else None, t, "{:.2f}")
+             for name, t in LENGTH_GOALS]
+    goals += [_goal(f"speedup over the verifier alone on {name} >= {t}x",
+                    sets[name]["speedup"] if name in sets else None, t, "{:.2f}x") for name, t in SPEEDUP_GOALS]
+    goals.append(_goal(f"capture overhead of the vLLM engine <= {OVERHEAD_GOAL:.0%}",
+                       bench["vllm"]["overhead"] if bench["vllm"] else None, OVERHEAD_GOAL, "{:+.1%}", higher=False))
+    timings = {}
+    if (root / "timings.tsv").is_file():
+        for line in (root / "timings.tsv").read_text().splitlines():
+            name, seconds = line.split("\t")
+            timings[name] = timings.get(name, 0) + int(seconds)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {"machine": _machine(), "commit": commit, "goals": goals, "timings_s": timings,
+            "holdout": _load(root / "data" / "train_all.jsonl.summary.json"),
+            "regenerate": _load(root / "data" / "train_regen.jsonl.summary.json"),
+            "prepare": {arm: (_load(root / "prepared" / arm / "prepare.json") or {}).get("stats")
+                        for arm in ("regen", "original")},
+            "decode": decode, "teacher_forced": teacher, "bench_extract": bench}
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def markdown(r: dict) -> str:
+    out = [f"# SmolLM2-135M-Instruct: a DSpark drafter trained by dspark on 2 CPU cores", "",
+           f"Machine: {r['machine']}. Commit {r['commit']}. Greedy decoding, 8 drafts per step, held-out prompts.", "",
+           "## Goals", "", "| goal | measured | met |", "|---|---:|---|"]
+    for g in r["goals"]:
+        out.append(_row([g["goal"], g.get("shown", "not measured yet"),
+                         {True: "yes", False: "**no**", None: "-"}[g["met"]]]))
+    main = r["decode"]["regen"]
+    if main:
+        n = main["num_speculative_tokens"]
+        out += ["", "## Decoded acceptance (drafter trained on regenerated replies)", "",
+                _row(["set", "prompts", *[f"pos {k}" for k in range(1, n + 1)], "mean length", "tok/s",
+                      "verifier tok/s", "speedup"]), "|---|" + "---:|" * (n + 5)]
+        for d in main["datasets"]:
+            s = d["decoded"]
+            out.append(_row([d["name"], s["requests"], *[f"{p['rate']:.2f}" for p in s["positions"]],
+                             f"{s['mean_acceptance_length']:.2f}", f"{s['tokens_per_s']:.1f}",
+                             f"{d['verifier_only']['tokens_per_s']:.1f}", f"{d['speedup']:.2f}x"]))
+        for d in main["datasets"]:
+            if d.get("by_subdomain") and d["name"] == "mtbench":
+                out += ["", "MT-bench per category:", "", _row(["category", "prompts",
+                        *[f"pos {k}" for k in range(1, n + 1)], "mean length"]), "|---|" + "---:|" * (n + 2)]
+                out += [_row([sub, s["requests"], *[f"{p['rate']:.2f}" for p in s["positions"]],
+                              f"{s['mean_acceptance_length']:.2f}"]) for sub, s in d["by_subdomain"].items()]
+        if main.get("long_context"):
+            out += ["", "Long context (LongBench-format prompts from held-out ShareGPT text): mean length (prompts):", "",
+                    _row(["sub-domain", *main["long_buckets"]]), "|---|" + "---|" * len(main["long_buckets"])]
+            out += [_row([row["subdomain"], *[row["cells"].get(b, "") for b in main["long_buckets"]]])
+                    for row in main["long_context"]]
+    out += ["", "## Regeneration, teacher-forced and decoded, side by side", "",
+            "| drafter | tau greedy (teacher-forced) | tau analytic | anchors scored | " + " | ".join(
+                f"decoded {s}" for s in ("humaneval", "sharegpt")) + " |", "|---|---:|---:|---:|---:|---:|"]
+    for arm, label in (("regen", "regenerated replies"), ("original", "ShareGPT's replies")):
+        tf, sets = r["teacher_forced"][arm], _datasets(r["decode"][arm])
+        decoded = [f"{sets[s]['decoded']['mean_acceptance_length']:.2f}" if s in sets else "-"
+                   for s in ("humaneval", "sharegpt")]
+        anchors = (tf or {}).get("anchors", {})
+        out.append(_row([label, f"{tf['tau_greedy']:.2f}" if tf else "-", f"{tf['tau_analytic']:.2f}" if tf else "-",
+                         f"{anchors.get('scored', '-')} of {anchors.get('available', '-')}", *decoded]))
+    out += ["", "## Extraction speed (same prepared data, warm engines)", "",
+            "| engine | bare forward tok/s | extract tok/s | capture overhead |", "|---|---:|---:|---:|"]
+    for engine, b in r["bench_extract"].items():
+        out.append(_row([engine, f"{b['bare_tokens_per_s']:,.0f}", f"{b['extract_tokens_per_s']:,.0f}",
+                         f"{b['overhead']:+.1%}"]) if b else _row([engine, "-", "-", "not measured yet"]))
+    if r["regenerate"]:
+        g = r["regenerate"]
+        out += ["", f"Regeneration: {json.dumps({k: v for k, v in g.items() if not isinstance(v, (dict, list))})}"]
+    if r["holdout"]:
+        h = r["holdout"]
+        out += ["", f"Data: ShareGPT {h['conversations']} conversations read, {h['distinct_prompts']} distinct "
+                f"prompts, {h['heldout']} held out, {h['train']} eligible for training; dropped: "
+                f"{json.dumps(h['dropped_by_reason'])}"]
+    out += ["", "## Seconds per step", "", "| step | seconds |", "|---|---:|"]
+    out += [_row([k, v]) for k, v in r["timings_s"].items()]
+    out.append(_row(["total", sum(r["timings_s"].values())]))
+    return "\n".join(out) + "\n"
+
+
+def main():
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else "cache/recipes/smollm2")
+    r = gather(root)
+    (root / "results.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+    (root / "results.md").write_text(markdown(r))
+    print(markdown(r))
+
+
+if __name__ == "__main__":
+    main()

