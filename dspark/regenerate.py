@@ -273,7 +273,7 @@ def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
     """The usable prompts in input order (the first `max_prompts`), drops by reason, and what was read."""
     from jinja2 import TemplateError
 
-    from dspark.decode.prompts import render_prompt, too_long_reason
+    from dspark.decode.prompts import prompt_turns, render_prompt, too_long_reason
     from dspark.prepare import read_conversations
 
     path = Path(cfg.data)
@@ -285,12 +285,8 @@ def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
                          f"maximum length ({max_length})", f"pass --max-new-tokens below {max_length}")
     prompts: list[Prompt] = []
     for index, (messages, where) in enumerate(zip(data.conversations, data.where)):
-        roles = [m["role"] for m in messages]
-        if "assistant" in roles:
-            turns = messages[: roles.index("assistant")]
-        else:  # questions only (as MT-bench): the later ones ask about a reply the file does not hold
-            turns = messages[: roles.index("user") + 1] if "user" in roles else messages
-        if not any(m["role"] == "user" for m in turns):
+        turns = prompt_turns(messages)
+        if turns is None:
             dropped["no_user_turn"] += 1
             continue
         try:

@@ -119,6 +119,18 @@ def too_long_reason(max_length: int, max_new_tokens: int) -> str:
     return f"longer than the verifier's maximum length ({max_length}){room}"
 
 
+def prompt_turns(messages: list[dict]) -> list[dict] | None:
+    """The turns a reply answers: all before the first assistant turn; without one (questions only, as
+    MT-bench), up to and including the first user turn, since the later ones await replies the file does
+    not hold. None when those turns hold no user turn (counted as `no_user_turn`)."""
+    roles = [m["role"] for m in messages]
+    if "assistant" in roles:
+        turns = messages[: roles.index("assistant")]
+    else:
+        turns = messages[: roles.index("user") + 1] if "user" in roles else messages
+    return turns if any(m["role"] == "user" for m in turns) else None
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` plus the assistant's generation prompt, tokenized as `prepare` does."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -233,12 +245,8 @@ def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
         raise InputError(e.what, (e.fix or "").replace(f", {_SKIP_FIX}", "") or None) from None
     dropped.update(data.dropped)
     for messages in data.conversations:
-        roles = [m["role"] for m in messages]
-        if "assistant" in roles:
-            turns = messages[: roles.index("assistant")]
-        else:  # questions only (as MT-bench): the later ones await replies the file does not hold
-            turns = messages[: roles.index("user") + 1] if "user" in roles else messages
-        if not any(m["role"] == "user" for m in turns):
+        turns = prompt_turns(messages)
+        if turns is None:
             dropped["no_user_turn"] += 1
             continue
         try:
