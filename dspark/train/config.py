@@ -59,6 +59,9 @@ class TrainConfig:
     muon_ns_dtype: Literal["auto", "bf16", "fp32"] = setting(
         "auto", "Muon's Newton-Schulz dtype. auto: bf16 where its matmuls are fast (CUDA; CPUs with AVX512-BF16 "
                 "or AMX), else fp32.")
+    autocast: Literal["auto", "bf16", "off"] = setting(
+        "auto", "bf16 autocast of forward and loss (weights and optimizer state stay fp32). auto: on CUDA only; a "
+                "CPU with AVX512-BF16 or AMX trains ~1.4x faster with bf16 (SmolLM2's drafter: 2.83 -> 1.96 s a step).")
     lr: float = setting(1e-3, gt=0)
     weight_decay: float = setting(0.0, ge=0)
     scheduler_type: Literal["cosine", "linear", "none"] = setting("cosine")

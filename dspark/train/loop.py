@@ -201,7 +201,8 @@ class Trainer:
 
     # --- one step, validation, checkpoint ------------------------------------
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else nullcontext()
+        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if on else nullcontext()
 
     def step(self, batch: dict) -> dict:
         self.wrapped.train()
