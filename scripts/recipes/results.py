@@ -21,6 +21,7 @@ from pathlib import Path
 LENGTH_GOALS = [("humaneval", 3.5), ("sharegpt", 2.5), ("mtbench", 2.5)]
 SPEEDUP_GOALS = [("sharegpt", 1.3), ("humaneval", 1.3)]
 OVERHEAD_GOAL = 0.10
+ARMS = {"regen": "regenerated replies", "original": "ShareGPT's replies"}
 
 
 def _load(path: Path):
@@ -66,13 +67,47 @@ def gather(root: Path) -> dict:
         for line in (root / "timings.tsv").read_text().splitlines():
             name, seconds = line.split("\t")
             timings[name] = timings.get(name, 0) + int(seconds)
+    curves = {arm: _curve(root / "runs" / arm / "metrics.jsonl") for arm in ("regen", "original")}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"machine": _machine(), "commit": commit, "goals": goals, "timings_s": timings,
             "holdout": _load(root / "data" / "train_all.jsonl.summary.json"),
             "regenerate": _load(root / "data" / "train_regen.jsonl.summary.json"),
             "prepare": {arm: (_load(root / "prepared" / arm / "prepare.json") or {}).get("stats")
                         for arm in ("regen", "original")},
-            "decode": decode, "teacher_forced": teacher, "bench_extract": bench}
+            "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves}
+
+
+def _curve(metrics: Path) -> dict | None:
+    """Validation accept length (speculators' analytic tau) over training, and the last train figure beside it."""
+    if not metrics.is_file():
+        return None
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    val = [(r["step"], r["metrics"]["accept_len"]) for r in records if r["split"] == "val"]
+    train = [r["metrics"]["accept_len"] for r in records if r["split"] == "train"]
+    return {"val": val, "last_train": train[-1] if train else None}
+
+
+def plot_curves(curves: dict, path: Path) -> bool:
+    """Validation accept length against steps, one line per drafter: is it still rising?"""
+    if not any(curves.values()):
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm, c in curves.items():
+        if c and c["val"]:
+            ax.plot(*zip(*c["val"]), marker="o", label=ARMS[arm])
+    ax.set(xlabel="training step", ylabel="validation accept length (tau)", title="SmolLM2-135M drafter, held-out "
+           "validation samples")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
 def _row(cells) -> str:
@@ -111,13 +146,22 @@ def markdown(r: dict) -> str:
     out += ["", "## Regeneration, teacher-forced and decoded, side by side", "",
             "| drafter | tau greedy (teacher-forced) | tau analytic | anchors scored | " + " | ".join(
                 f"decoded {s}" for s in ("humaneval", "sharegpt")) + " |", "|---|---:|---:|---:|---:|---:|"]
-    for arm, label in (("regen", "regenerated replies"), ("original", "ShareGPT's replies")):
+    for arm, label in ARMS.items():
         tf, sets = r["teacher_forced"][arm], _datasets(r["decode"][arm])
         decoded = [f"{sets[s]['decoded']['mean_acceptance_length']:.2f}" if s in sets else "-"
                    for s in ("humaneval", "sharegpt")]
         anchors = (tf or {}).get("anchors", {})
         out.append(_row([label, f"{tf['tau_greedy']:.2f}" if tf else "-", f"{tf['tau_analytic']:.2f}" if tf else "-",
                          f"{anchors.get('scored', '-')} of {anchors.get('available', '-')}", *decoded]))
+    if any(r["curves"].values()):
+        out += ["", "## Learning curve (validation samples of the training split)", "",
+                "![validation accept length over training](learning_curve.png)", "",
+                "| drafter | validation tau at each check (step: tau) | last train tau |", "|---|---|---:|"]
+        for arm, label in ARMS.items():
+            c = r["curves"][arm]
+            if c:
+                out.append(_row([label, ", ".join(f"{step}: {tau:.2f}" for step, tau in c["val"]),
+                                 f"{c['last_train']:.2f}" if c["last_train"] is not None else "-"]))
     out += ["", "## Extraction speed (same prepared data, warm engines)", "",
             "| engine | bare forward tok/s | extract tok/s | capture overhead |", "|---|---:|---:|---:|"]
     for engine, b in r["bench_extract"].items():
@@ -141,6 +185,7 @@ def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "cache/recipes/smollm2")
     r = gather(root)
     (root / "results.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+    plot_curves(r["curves"], root / "learning_curve.png")
     (root / "results.md").write_text(markdown(r))
     print(markdown(r))
 

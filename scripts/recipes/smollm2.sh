@@ -19,8 +19,9 @@ cd "$(dirname "$0")/../.."
 HERE=scripts/recipes
 . "$HERE/smollm2.env"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-# vLLM's CPU KV cache (GiB): 1, dspark's default, holds 46K tokens, fewer than a 64-prompt batch needs.
-export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4}
+# vLLM's CPU KV cache (GiB): 1, dspark's default, holds 46K tokens; a 256-prompt batch of up to 832 tokens
+# needs ~5 (23 KB a token). vLLM refuses a budget over its NUMA node's free memory: lower it there.
+export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-5}
 for venv in .venv .venv-vllm; do
   [ -x "$venv/bin/dspark" ] || { echo "error: $venv is missing (fix: bash scripts/setup.sh --vllm)" >&2; exit 2; }
 done
