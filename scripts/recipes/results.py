@@ -87,10 +87,10 @@ def _curve(metrics: Path) -> dict | None:
     return {"val": val, "last_train": train[-1] if train else None}
 
 
-def plot_curves(curves: dict, path: Path) -> bool:
+def plot_curves(curves: dict, path: Path) -> None:
     """Validation accept length against steps, one line per drafter: is it still rising?"""
     if not any(curves.values()):
-        return False
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -107,7 +107,6 @@ def plot_curves(curves: dict, path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def _row(cells) -> str:
