@@ -100,7 +100,7 @@ def test_bf16_autocast_trains_on_cpu_with_fp32_weights(reference_run, tmp_path):
     assert ours[0] != theirs[0] and ours[0] == pytest.approx(theirs[0], rel=0.05)
     assert all(torch.isfinite(torch.tensor(ours)))
     weights = load_file((tmp_path / "r" / "latest").resolve() / "model.safetensors")
-    assert {w.dtype for k, w in weights.items() if w.is_floating_point()} == {torch.float32}
+    assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.float32}
 
 
 def test_export_reloads_identically_without_local_paths(reference_run, tmp_path):

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark.train.metrics import MetricLog
+
 # (dataset, what, threshold): the goals, on held-out prompts, greedy, 8 drafts per step, 2 CPU cores.
 LENGTH_GOALS = [("humaneval", 3.5), ("sharegpt", 2.5), ("mtbench", 2.5)]
 SPEEDUP_GOALS = [("sharegpt", 1.3), ("humaneval", 1.3)]
@@ -50,7 +52,7 @@ def _goal(label: str, value: float | None, threshold: float, fmt: str, higher: b
 
 
 def gather(root: Path) -> dict:
-    runs = {arm: root / "runs" / arm / "latest" / "eval" for arm in ("regen", "original")}
+    runs = {arm: root / "runs" / arm / "latest" / "eval" for arm in ARMS}
     decode = {arm: _load(p / "decode.json") for arm, p in runs.items()}
     teacher = {arm: _load(p / "eval.json") for arm, p in runs.items()}
     bench = {e: _load(root / "bench" / f"extract-{e}.json") for e in ("transformers", "vllm")}
@@ -67,21 +69,21 @@ def gather(root: Path) -> dict:
         for line in (root / "timings.tsv").read_text().splitlines():
             name, seconds = line.split("\t")
             timings[name] = timings.get(name, 0) + int(seconds)
-    curves = {arm: _curve(root / "runs" / arm / "metrics.jsonl") for arm in ("regen", "original")}
+    curves = {arm: _curve(root / "runs" / arm / "metrics.jsonl") for arm in ARMS}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"machine": _machine(), "commit": commit, "goals": goals, "timings_s": timings,
             "holdout": _load(root / "data" / "train_all.jsonl.summary.json"),
             "regenerate": _load(root / "data" / "train_regen.jsonl.summary.json"),
             "prepare": {arm: (_load(root / "prepared" / arm / "prepare.json") or {}).get("stats")
-                        for arm in ("regen", "original")},
+                        for arm in ARMS},
             "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves}
 
 
 def _curve(metrics: Path) -> dict | None:
     """Validation accept length (speculators' analytic tau) over training, and the last train figure beside it."""
-    if not metrics.is_file():
+    records = MetricLog(metrics, tensorboard=False).read()
+    if not records:
         return None
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     val = [(r["step"], r["metrics"]["accept_len"]) for r in records if r["split"] == "val"]
     train = [r["metrics"]["accept_len"] for r in records if r["split"] == "train"]
     return {"val": val, "last_train": train[-1] if train else None}
