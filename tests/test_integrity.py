@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import resource
 import shutil
 import struct
 from dataclasses import replace
@@ -14,7 +15,7 @@ import torch
 
 from conftest import LAYERS, run_cli, train_cfg
 from dspark.connector.zarr_store import _RECORD, ZarrSink, ZarrStore, check_store
-from dspark.errors import DamagedSample, StoreError
+from dspark.errors import DamagedSample, StoreError, StoreMismatch
 from dspark.prepare import PreparedData
 from test_store import make_sample, manifest, write
 
@@ -48,6 +49,26 @@ def truncate(path: Path) -> None:
 
 def files(root: Path) -> dict[str, tuple[bytes, int]]:
     return {str(p.relative_to(root)): (p.read_bytes(), p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+def replace_with(path: Path, kind: str) -> None:
+    """Put what a hostile or broken copy might leave at `path`: /dev/zero, a FIFO, or the file grown sparse to 20 GB."""
+    if kind == "sparse":
+        with open(path, "r+b") as f:
+            f.truncate(20 << 30)
+        return
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)  # opening it for reading would wait for a writer forever
+    else:
+        path.symlink_to(kind)
+
+
+def run_bounded(*args, gib: float = 1.5, timeout: float = 300):
+    """`dspark` in a child process that may map at most `gib` GiB: a read that is not bounded fails fast."""
+    limit = int(gib * 2**30)
+    return run_cli(*args, check=False, timeout=timeout,
+                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
 
 
 # --- the store: index records and chunks --------------------------------------------------------
@@ -121,6 +142,76 @@ def test_a_rewritten_copy_wins_over_the_damaged_one_and_healthy_segments_stay_un
         assert torch.equal(store.read(i).hidden_states, make_sample(i).hidden_states)
         assert torch.equal(store.read(i, check=False).hidden_states, make_sample(i).hidden_states)
     assert check_store(store).problems == []
+
+
+def test_chunks_that_are_not_regular_files_or_too_long_are_damaged_samples_never_read_whole(tmp_path):
+    write(tmp_path, range(60))  # samples of 5..44 tokens in chunks of 16: chunks 4 apart share no sample
+    store, seg = ZarrStore(tmp_path), segment(tmp_path)
+    hit = {c: in_chunk(store, c) for c in (1, 5, 9, 13)}
+    whole = {c: chunk_file(tmp_path, seg, c).stat().st_size for c in hit}
+    replace_with(chunk_file(tmp_path, seg, 1), "/dev/zero")
+    replace_with(chunk_file(tmp_path, seg, 5), "fifo")
+    replace_with(chunk_file(tmp_path, seg, 9), "sparse")
+    with open(chunk_file(tmp_path, seg, 13), "ab") as f:
+        f.write(b"x" * 100)
+    where = {c: f"chunk {c} of hidden in segment {seg}" for c in hit}
+    want = {**{i: f"{where[1]} is not a regular file (a character device)" for i in hit[1]},
+            **{i: f"{where[5]} is not a regular file (a FIFO)" for i in hit[5]},
+            **{i: f"{where[9]} is longer than its header says ({20 << 30} of {whole[9]} bytes)" for i in hit[9]},
+            **{i: f"{where[13]} is longer than its header says ({whole[13] + 100} of {whole[13]} bytes)"
+               for i in hit[13]}}
+    proc = run_bounded("store", "verify", tmp_path, "--no-progress", timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert {line for line in proc.stderr.splitlines() if line.startswith("sample ")} == {
+        f"sample {i}: {why}" for i, why in want.items()}
+    store = ZarrStore(tmp_path)
+    assert store.chunk_damage() == want  # the cheap check (a resume) sees all of it, reading 16 bytes a chunk
+    for i in want:
+        with pytest.raises(DamagedSample, match=rf"sample {i} in .* is damaged"):
+            store.read(i, check=False)
+
+
+@pytest.mark.parametrize("kind", ["/dev/zero", "fifo", "sparse"])
+@pytest.mark.parametrize("name", ["manifest.json", "index.bin"])
+def test_a_manifest_or_index_that_is_not_a_regular_file_or_too_big_is_one_error_line(tmp_path, name, kind):
+    write(tmp_path, range(5))
+    path = tmp_path / name if name == "manifest.json" else tmp_path / "segments" / segment(tmp_path) / name
+    replace_with(path, kind)
+    proc = run_bounded("store", "info", tmp_path, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    problem = {"/dev/zero": "is not a regular file (a character device)", "fifo": "is not a regular file (a FIFO)",
+               "sparse": f"is {20 << 30} bytes, more than the"}[kind]
+    assert line.startswith(f"error: {path} {problem}")
+
+
+def test_train_and_repair_take_a_chunk_of_dev_zero_or_20_gb_as_damaged_samples(store, prepared, verifier, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(store, root)
+    s, seg = ZarrStore(root), segment(root)
+    whole = chunk_file(root, seg, 2).stat().st_size
+    replace_with(chunk_file(root, seg, 0), "/dev/zero")
+    replace_with(chunk_file(root, seg, 2), "sparse")
+    want = {**{i: f"chunk 0 of hidden in segment {seg} is not a regular file (a character device)"
+               for i in in_chunk(s, 0)},
+            **{i: f"chunk 2 of hidden in segment {seg} is longer than its header says ({20 << 30} of {whole} bytes)"
+               for i in in_chunk(s, 2)}}
+    verify = run_bounded("store", "verify", root, "--no-progress")
+    assert verify.returncode == 2 and "Traceback" not in verify.stderr, verify.stderr[-2000:]
+    assert [line for line in verify.stderr.splitlines() if line.startswith("sample ")] == [
+        f"sample {i}: {want[i]}" for i in sorted(want)[:20]]  # verify names the first 20
+    train = run_bounded("train", "--store", root, "--data-path", prepared, "--verifier-name-or-path", verifier,
+                        "--save-path", tmp_path / "run", "--target-layer-ids", *LAYERS, "--max-anchors", "32",
+                        "--markov-rank", "16", "--total-seq-len", "512", "--epochs", "1", "--max-steps", "1",
+                        "--no-progress", "--device", "cpu", gib=4)
+    assert train.returncode == 0 and "Traceback" not in train.stderr and "MemoryError" not in train.stderr, \
+        train.stderr[-2000:]
+    assert json.loads(train.stdout)["damaged_skipped"] == sorted(want)
+    repair = run_bounded("store", "repair", root, "--data", prepared, "--model", verifier, "--batch-tokens", 1024,
+                         "--no-progress", gib=4)
+    assert repair.returncode == 0, repair.stderr[-2000:]
+    assert json.loads(repair.stdout)["re_extracted"] == sorted(want)
+    assert run_bounded("store", "verify", root, "--no-progress").returncode == 0
 
 
 # --- train and eval on a damaged copy of the session store --------------------------------------
@@ -300,3 +391,54 @@ def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifie
     finally:
         stop(serve_proc, signal.SIGTERM)
         stop(master_proc)
+
+
+# --- the verifier's weights are part of the store's identity ------------------------------------
+
+@pytest.fixture(scope="module")
+def other_verifier(verifier, tmp_path_factory) -> Path:
+    """The session verifier with one tensor changed: same config, tokenizer, safetensors header and size."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("other") / "tiny"
+    shutil.copytree(verifier, out)
+    weights = load_file(out / "model.safetensors")
+    name = sorted(k for k in weights if "layers" in k)[-1]
+    weights[name] = weights[name] + 0.05
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    assert (out / "model.safetensors").stat().st_size == (verifier / "model.safetensors").stat().st_size
+    return out
+
+
+def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_unless_accepted(
+        store, prepared, verifier, other_verifier, tmp_path):
+    from dspark.extract.runner import ExtractConfig, run_extract
+    from dspark.train.loop import check_store as check_train_store
+
+    root = tmp_path / "store"
+    shutil.copytree(store, root)
+    lost = in_chunk(ZarrStore(root), 0)
+    chunk_file(root, segment(root), 0).unlink()
+    before = files(root)
+    repair = ["store", "repair", root, "--data", prepared, "--model", other_verifier, "--batch-tokens", 1024,
+              "--no-progress"]
+    proc = run_cli(*repair, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert f"store {root} was extracted with other verifier weights than {other_verifier}" in line
+    assert "--accept-other-weights" in line
+    with pytest.raises(StoreMismatch, match="other verifier weights"):
+        run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared), store=str(root),
+                                  target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
+    with pytest.raises(StoreMismatch, match="other verifier weights"):
+        check_train_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))
+    assert files(root) == before  # nothing written
+    accepted = train_cfg(root, prepared, other_verifier, tmp_path / "run", accept_other_weights=True)
+    check_train_store(ZarrStore(root), accepted)
+    assert accepted.to_dict()["accept_other_weights"] is True  # what the run records in its config.json
+    out = json.loads(run_cli(*repair, "--accept-other-weights").stdout)
+    assert out["re_extracted"] == sorted(lost)
+    info = json.loads(run_cli("store", "info", root).stdout)
+    (new,) = {p.name for p in (root / "segments").iterdir()} - {segment(store)}
+    assert [s["segment"] for s in info["segments_with_other_weights"]] == [new]
+    assert run_cli("store", "verify", root, "--no-progress").returncode == 0

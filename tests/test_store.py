@@ -204,3 +204,71 @@ def test_disk_full_keeps_the_store_valid(tiny_fs):
     assert all(store.damaged(i) is None for i in store.sample_ids)
     # nothing half-written is left behind but zarr's cleaned-up temp files
     assert not list(root.rglob("*.partial"))
+
+
+def test_bad_manifest_values_are_one_line_naming_each_field_and_its_allowed_values(tmp_path):
+    import json
+
+    write(tmp_path, range(3))
+    path = tmp_path / "manifest.json"
+    good = json.loads(path.read_text())
+    path.write_text(json.dumps({**good, "dtype": "float64", "encoding": "bogus", "hidden_size": -128}))
+    proc = run_cli("store", "verify", tmp_path, "--no-progress", check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: store {tmp_path} has a damaged manifest.json: ")
+    assert "dtype: Input should be 'bfloat16', 'float16' or 'float32' (got 'float64')" in line
+    assert "encoding: Input should be 'raw' or 'fp8_e4m3' (got 'bogus')" in line
+    assert "hidden_size: Input should be greater than 0 (got -128)" in line
+    del good["chunk_tokens"]
+    for text, what in ((json.dumps(good), "chunk_tokens: Field required"), ("{not json", "is not JSON"),
+                       ("[1, 2]", "is not a JSON object")):
+        path.write_text(text)
+        with pytest.raises(StoreError, match=rf"has a damaged manifest.json: .*{what}"):
+            ZarrStore(tmp_path)
+
+
+def test_a_store_written_before_weights_were_recorded_reads_extends_and_keeps_its_fingerprint(tmp_path):
+    import json
+
+    write(tmp_path, range(5))
+    path = tmp_path / "manifest.json"
+    old = json.loads(path.read_text())
+    old.pop("verifier_weights_hash", None)  # as every store written before it was recorded
+    path.write_text(json.dumps(old))
+    store = ZarrStore(tmp_path)
+    assert store.manifest.verifier_weights_hash is None
+    assert store.fingerprint() == "9998c99e3fd4713af10562431194eefd2152c16fa8072c7d5fc023b5b01a8327"  # as before
+    write(tmp_path, range(5, 8), verifier_weights_hash="xxh3-128:any")  # nothing recorded to compare with
+    assert ZarrStore(tmp_path).sample_ids == list(range(8))
+
+
+def test_a_writer_with_other_verifier_weights_is_refused_unless_accepted_and_then_recorded(tmp_path):
+    write(tmp_path, range(5), verifier_weights_hash="xxh3-128:aaaa")
+    with pytest.raises(StoreMismatch, match=r"verifier weights: store has xxh3-128:aaaa, wanted xxh3-128:bbbb .*"
+                                            r"--accept-other-weights"):
+        ZarrSink(tmp_path, manifest(verifier_weights_hash="xxh3-128:bbbb"))
+    assert ZarrStore(tmp_path).info()["segments_with_other_weights"] == []
+    sink = ZarrSink(tmp_path, manifest(verifier_weights_hash="xxh3-128:bbbb"), accept_other_weights=True)
+    sink.write(make_sample(5))
+    sink.close()
+    store = ZarrStore(tmp_path)
+    assert store.sample_ids == list(range(6)) and store.manifest.verifier_weights_hash == "xxh3-128:aaaa"
+    assert store.info()["segments_with_other_weights"] == [{"segment": sink._writer_id,
+                                                           "verifier_weights_hash": "xxh3-128:bbbb"}]
+
+
+def test_the_weights_hash_sees_every_byte_and_refuses_a_weight_file_that_is_not_regular(tmp_path):
+    from dspark.errors import InputError
+    from dspark.fingerprint import weights_hash
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"\0" * 3_000_000)
+    before = weights_hash(tmp_path)
+    (tmp_path / "new").write_bytes(b"\0" * 2_999_999 + b"\1")  # same name and size, one byte differs
+    (tmp_path / "new").replace(weights)
+    assert weights_hash(tmp_path) != before
+    weights.unlink()
+    weights.symlink_to("/dev/zero")  # hashing it would never end
+    with pytest.raises(InputError, match=r"model.safetensors is not a regular file \(a character device\)"):
+        weights_hash(tmp_path)

@@ -26,6 +26,7 @@ class SinkConfig:
     writer_threads: int = 4  # the connector's writer pool: writes overlap the next forward
     flush_interval_s: float = 0.5  # longest a finished sample waits in a partial Zarr chunk
     rewrite: list[int] = field(default_factory=list)  # ids stored damaged: written again (a repair)
+    accept_other_weights: bool = False  # write into a store extracted with other verifier weights
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def to_extra_config(self) -> dict:

@@ -9,17 +9,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
 from dspark.connector.encoding import bytes_per_token
 from dspark.errors import InputError, StoreError, StoreMismatch
-from dspark.fingerprint import model_config_hash, tokenizer_hash
+from dspark.files import FileRefused, read_bounded
+from dspark.fingerprint import model_config_hash, tokenizer_hash, weights_hash
 
 FORMAT_VERSION = 1
+MANIFEST_BYTES = 1 << 20  # the most a manifest.json may hold (one is ~1 KB): a bigger one is not read
 Encoding = Literal["raw", "fp8_e4m3"]
 
-# Fields that must agree between a store and the extraction (or training) that uses it.
+# Fields that must agree between a store and the extraction (or training) that uses it. The
+# verifier's weights must too, when the store records them: see `weights_differ`.
 IDENTITY_FIELDS = ("format_version", "verifier_config_hash", "tokenizer_hash", "target_layer_ids",
                    "hidden_size", "dtype", "encoding", "prepared_fingerprint")
 
@@ -41,13 +44,15 @@ class StoreManifest(BaseModel):
     verifier_name: str
     verifier_config_hash: str
     tokenizer_hash: str
+    # Stores written before weights were recorded have none: they stay readable, and cannot tell.
+    verifier_weights_hash: str | None = None
     target_layer_ids: list[int]
-    num_hidden_layers: int
-    hidden_size: int
+    num_hidden_layers: int = Field(gt=0)
+    hidden_size: int = Field(gt=0)
     dtype: Literal["bfloat16", "float16", "float32"]
     encoding: Encoding = "raw"
     codec: Codec = Codec()
-    chunk_tokens: int
+    chunk_tokens: int = Field(gt=0)
     prepared_fingerprint: str
     dspark_version: str = __version__
     created_at: str = ""
@@ -57,9 +62,13 @@ class StoreManifest(BaseModel):
         """Target layers, then the last layer (pre-norm): the store's layer axis."""
         return [*self.target_layer_ids, self.num_hidden_layers]
 
-    def mismatches(self, other: StoreManifest) -> list[str]:
-        return [f"{k}: store has {getattr(self, k)!r}, wanted {getattr(other, k)!r}"
-                for k in IDENTITY_FIELDS if getattr(self, k) != getattr(other, k)]
+    def mismatches(self, other: StoreManifest, accept_other_weights: bool = False) -> list[str]:
+        out = [f"{k}: store has {getattr(self, k)!r}, wanted {getattr(other, k)!r}"
+               for k in IDENTITY_FIELDS if getattr(self, k) != getattr(other, k)]
+        if weights_differ(self.verifier_weights_hash, other.verifier_weights_hash) and not accept_other_weights:
+            out.append(f"verifier weights: store has {self.verifier_weights_hash}, wanted "
+                       f"{other.verifier_weights_hash} (--accept-other-weights adds states of other weights knowingly)")
+        return out
 
     # --- persistence -------------------------------------------------------
     @classmethod
@@ -68,14 +77,28 @@ class StoreManifest(BaseModel):
         if not path.exists():
             raise StoreError(f"{root} is not a dspark store (no manifest.json)",
                              "point --store at a folder written by `dspark extract --to zarr`")
-        data = json.loads(path.read_text())
+        fix = "restore manifest.json from a copy of the store (it is written once, when the store is created)"
+        try:
+            data = json.loads(read_bounded(path, MANIFEST_BYTES))
+        except FileRefused as e:
+            raise StoreError(f"{path} {e}", fix) from None
+        except OSError as e:
+            raise StoreError(f"{path} cannot be read ({e.strerror or e})", fix) from None
+        except ValueError as e:  # not UTF-8, or not JSON
+            raise StoreError(f"store {root} has a damaged manifest.json: it is not JSON ({e})", fix) from None
+        if not isinstance(data, dict):
+            raise StoreError(f"store {root} has a damaged manifest.json: it is not a JSON object", fix)
         if data.get("format_version") != FORMAT_VERSION:
             raise StoreMismatch(f"store {root} has format version {data.get('format_version')}, "
                                 f"this dspark reads {FORMAT_VERSION}",
                                 "re-extract into a new store with this dspark version")
-        return cls.model_validate(data)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise StoreError(f"store {root} has a damaged manifest.json: "
+                             + "; ".join(map(_field_problem, e.errors())), fix) from None
 
-    def create_or_match(self, root: Path) -> StoreManifest:
+    def create_or_match(self, root: Path, accept_other_weights: bool = False) -> StoreManifest:
         """Write the manifest unless one exists; then require it to match this one.
 
         Creation is exclusive (link of a temp file), so concurrent writers agree on one. A new
@@ -103,11 +126,41 @@ class StoreManifest(BaseModel):
             finally:
                 tmp.unlink()
         existing = StoreManifest.load(root)
-        diffs = existing.mismatches(self)
+        diffs = existing.mismatches(self, accept_other_weights)
         if diffs:
             raise StoreMismatch(f"store {root} was written for other inputs: " + "; ".join(diffs),
                                 "use a new --store folder, or the model/layers/data it was made from")
         return existing
+
+
+def _field_problem(err: dict) -> str:
+    """One pydantic error as `field: what is wrong (got value)`: the allowed values are in pydantic's message."""
+    where = ".".join(map(str, err["loc"]))
+    if err["type"] == "missing":
+        return f"{where}: Field required"
+    return f"{where}: {err['msg']} (got {err['input']!r:.60})"
+
+
+def weights_differ(stored: str | None, wanted: str | None) -> bool:
+    """Whether two weight hashes tell of other weights; an unknown one (a store from before) tells nothing."""
+    return stored is not None and wanted is not None and stored != wanted
+
+
+def require_same_weights(manifest: StoreManifest, location: str, model: str | Path, accept: bool) -> bool:
+    """Refuse verifier `model` if its weights differ from those the store was extracted with.
+
+    Same config and tokenizer do not make the same model: a fine-tune writes other states
+    under an identical identity otherwise. Returns whether they differ and `accept` takes them.
+    """
+    have = weights_hash(Path(model))
+    if not weights_differ(manifest.verifier_weights_hash, have):
+        return False
+    if not accept:
+        raise StoreMismatch(f"store {location} was extracted with other verifier weights than {model} "
+                            f"(store {manifest.verifier_weights_hash}, verifier {have})",
+                            "use the verifier the store was extracted with, or pass --accept-other-weights to "
+                            "mix in this one's states knowingly (the store's segments and the run record it)")
+    return True
 
 
 def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
@@ -155,6 +208,7 @@ def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_
         verifier_name=verifier_name or model.resolve().name,
         verifier_config_hash=model_config_hash(model),
         tokenizer_hash=tokenizer_hash(model),
+        verifier_weights_hash=weights_hash(model),
         target_layer_ids=layers,
         num_hidden_layers=cfg.num_hidden_layers,
         hidden_size=cfg.hidden_size,

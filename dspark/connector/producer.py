@@ -89,7 +89,8 @@ class Producer:
             if prepared_fingerprint not in self._sinks:
                 c = self.config
                 self._sinks[prepared_fingerprint] = open_sink(c.to, store=c.store, manifest=manifest,
-                                                              mooncake=c.mooncake, rewrite=c.rewrite)
+                                                              mooncake=c.mooncake, rewrite=c.rewrite,
+                                                              accept_other_weights=c.accept_other_weights)
             return self._sinks[prepared_fingerprint]
 
     def flush(self) -> None:

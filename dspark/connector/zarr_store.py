@@ -4,7 +4,8 @@ Layout (one store = one verifier, one layer set, one prepared data set):
 
     manifest.json                    StoreManifest, written once, exclusively
     segments/<writer>/               one zarr v3 group per writer session
-        hidden     [CAP, L+1, H]     uint16 bits of bf16 (or uint8 fp8), token-major
+        hidden     [CAP, L+1, H]     uint16 bits of bf16 (or uint8 fp8), token-major; its attributes
+                                     record the writer's verifier weights hash
         scales     [CAP, L+1]        float32, fp8 only
         token_ids  [CAP]             int32
         index.bin                    32-byte records: sample_id, start, length, crc, record crc
@@ -27,6 +28,12 @@ Damage (a flipped byte, a lost or truncated chunk file, a damaged index record):
   file is caught by its length before it is decoded; a garbled one fails the
   checksum or the decode; either way the reader gets `DamagedSample`, never
   wrong numbers.
+- Reads are bounded by what the store says, never by the file: a chunk is read only
+  if it is a regular file whose size is the one its Blosc header gives, and the
+  header must describe this array's chunk. A chunk that is /dev/zero, a FIFO or
+  a file grown sparse to 20 GB is a damaged sample, found without reading it.
+  index.bin, manifest.json and zarr.json are read only as regular files of bounded
+  size; anything else is a `StoreError`.
 - Repair appends a fresh copy of a damaged sample to a new segment and leaves the
   damaged one where it is. An id with several records (a repair, or concurrent
   writers that both wrote it) reads from the first record that reads back valid,
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import struct
@@ -58,13 +66,18 @@ from zarr.codecs import BloscCodec
 
 from dspark.connector.base import Sample, Sink, Source, done, register_sink, register_source
 from dspark.connector.encoding import bytes_per_token, decode, encode, sample_crc, stored_numpy_dtype
-from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
+from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest, weights_differ
 from dspark.errors import DamagedSample, InputError, StoreError
+from dspark.files import FileRefused, open_regular, read_bounded, read_upto
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
 _RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
 _BODY = struct.Struct("<qqqI")
+INDEX_BYTES = 1 << 30  # 32M records: more samples than one writer session ever stores
+META_BYTES = 1 << 20  # a zarr.json or a repair note; each is a few KB
+BLOSC_MAX_OVERHEAD = 16  # Blosc 1 stores data it cannot compress as is, behind its 16-byte header
+_SEGMENT_FIX = "move that segment folder out of the store: `dspark store repair` then re-extracts the samples it held"
 
 
 @dataclass(frozen=True)
@@ -83,7 +96,12 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
     mid-append) is a crash artefact and ignored silently; so are whole zero
     records at the end (a crash that grew the file before its data reached disk).
     """
-    data = path.read_bytes() if path.exists() else b""
+    try:
+        data = read_bounded(path, INDEX_BYTES)
+    except FileNotFoundError:
+        data = b""  # a segment whose writer has published nothing yet
+    except FileRefused as e:
+        raise StoreError(f"{path} {e}", _SEGMENT_FIX) from None
     end = len(data) - len(data) % _RECORD.size
     out, bad = [], []
     for off in range(0, end, _RECORD.size):
@@ -98,25 +116,8 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
     return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
 
 
-def _chunk_problem(path: Path, where: str) -> str | None:
-    """None if the chunk file exists and is as long as its Blosc header says, else what is wrong.
-
-    Reads 16 bytes, decodes nothing: cheap enough for every resume. Every chunk
-    read makes the same check on the bytes it read, before Blosc sees them: Blosc 1
-    trusts the length in the header, so a truncated chunk decodes past the end of
-    its buffer (garbage, or a segfault) instead of failing. A flipped byte inside a
-    chunk needs the full read of `ZarrStore.damaged`.
-    """
-    try:
-        with open(path, "rb") as f:
-            head, size = f.read(16), os.fstat(f.fileno()).st_size
-    except FileNotFoundError:
-        return f"{where} is missing"
-    return _length_problem(head, size, where)
-
-
 class _ChunkDamaged(Exception):
-    """A chunk file that is missing or shorter than its header says (never handed to Blosc)."""
+    """A chunk file that is missing, not a regular file, or not the size its header says (never handed to Blosc)."""
 
 
 def _chunk_path(array_dir: Path, c: int, ndim: int, sep: str) -> Path:
@@ -150,15 +151,25 @@ class _Array:
     chunk_shape: tuple[int, ...]
     dtype: np.dtype
     sep: str  # of the chunk keys
+    attributes: dict
 
     @classmethod
     def open(cls, path: Path) -> _Array:
+        try:  # zarr reads its metadata whole, whatever it is: only a small regular file reaches it
+            read_bounded(path / "zarr.json", META_BYTES)
+        except FileRefused as e:
+            raise StoreError(f"{path / 'zarr.json'} {e}", _SEGMENT_FIX) from None
         a = zarr.open_array(path, mode="r")
         codecs = [type(c).__name__ for c in a.metadata.codecs]
         if codecs != ["BytesCodec", "BloscCodec"]:
             raise StoreError(f"array {path} is encoded with {codecs}, not dspark's bytes + blosc",
                              "it was not written by dspark: re-extract into a new store")
-        return cls(path, tuple(a.chunks), np.dtype(a.dtype), a.metadata.chunk_key_encoding.separator)
+        return cls(path, tuple(a.chunks), np.dtype(a.dtype), a.metadata.chunk_key_encoding.separator,
+                   dict(a.attrs))
+
+    @property
+    def chunk_bytes(self) -> int:
+        return math.prod(self.chunk_shape) * self.dtype.itemsize
 
     def chunk_path(self, c: int) -> Path:
         return _chunk_path(self.path, c, len(self.chunk_shape), self.sep)
@@ -167,27 +178,57 @@ class _Array:
         return f"chunk {c} of {self.path.name} in segment {self.path.parent.name}"
 
     def open_chunk(self, c: int):
-        """An open file of chunk `c`, the kernel told to read it ahead; _ChunkDamaged if it is missing."""
+        """An open file of chunk `c`, the kernel told to read it ahead; _ChunkDamaged if it is missing
+        or not a regular file."""
         try:
-            f = open(self.chunk_path(c), "rb", buffering=0)
+            f = open_regular(self.chunk_path(c))
         except FileNotFoundError:
             raise _ChunkDamaged(f"{self.where(c)} is missing") from None
+        except FileRefused as e:
+            raise _ChunkDamaged(f"{self.where(c)} {e}") from None
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)  # cold reads: I/O overlaps the decode
         return f
 
+    def checked_size(self, c: int, f) -> int:
+        """The size of chunk `c` (open as `f`), once its 16-byte Blosc header says this size for this
+        array's chunk; else _ChunkDamaged. Nothing else of the file is read.
+
+        Blosc 1 trusts the length in its header, so a truncated chunk would decode past the end
+        of its buffer (garbage, or a segfault) instead of failing; and a file longer than its
+        header says (a sparse 20 GB one) is never read whole.
+        """
+        head, size = os.pread(f.fileno(), 16, 0), os.fstat(f.fileno()).st_size
+        # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
+        nbytes, cbytes = struct.unpack_from("<I4xI", head, 4) if len(head) == 16 else (None, None)
+        if nbytes is not None and (nbytes != self.chunk_bytes or cbytes > nbytes + BLOSC_MAX_OVERHEAD):
+            raise _ChunkDamaged(f"{self.where(c)} has a damaged header (a chunk of {nbytes} bytes, "
+                                f"{cbytes} compressed; this array's chunks hold {self.chunk_bytes})")
+        if cbytes is None or size < cbytes:
+            raise _ChunkDamaged(f"{self.where(c)} is truncated ({size} of {cbytes or '?'} bytes)")
+        if size > cbytes:
+            raise _ChunkDamaged(f"{self.where(c)} is longer than its header says ({size} of {cbytes} bytes)")
+        return size
+
+    def problem(self, c: int) -> str | None:
+        """None if chunk `c` is a regular file of the size its header gives, else what is wrong.
+
+        Reads 16 bytes, decodes nothing: cheap enough for every resume. A flipped byte
+        inside a chunk needs the full read of `ZarrStore.damaged`.
+        """
+        try:
+            with self.open_chunk(c) as f:
+                self.checked_size(c, f)
+        except _ChunkDamaged as e:
+            return str(e)
+        return None
+
     def decode(self, c: int, f, out: np.ndarray) -> None:
         """Decode chunk `c` (open as `f`) into `out`, a C-contiguous array of the chunk's shape."""
-        data = f.read()
-        problem = _length_problem(data[:16], len(data), self.where(c))
-        if problem is not None:
-            raise _ChunkDamaged(problem)
+        size = self.checked_size(c, f)
+        data = read_upto(f, size)
+        if len(data) != size:
+            raise _ChunkDamaged(f"{self.where(c)} is truncated ({len(data)} of {size} bytes)")
         _BLOSC.decode(data, out=out)
-
-
-def _length_problem(head: bytes, size: int, where: str) -> str | None:
-    # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
-    want = struct.unpack_from("<I", head, 12)[0] if len(head) == 16 else None
-    return None if want == size else f"{where} is truncated ({size} of {want or '?'} bytes)"
 
 
 @dataclass
@@ -213,11 +254,19 @@ class _Segment:
 
     CACHE_CHUNKS = 8
 
-    def __init__(self, path: Path, fp8: bool):
+    def __init__(self, path: Path, manifest: StoreManifest):
+        m = manifest
+        C, L = m.chunk_tokens, len(m.captured_layer_ids)
+        shapes = {"hidden": (C, L, m.hidden_size), "token_ids": (C,),
+                  **({"scales": (C, L)} if m.encoding == "fp8_e4m3" else {})}
         self.path = path
-        self.arrays = {name: _Array.open(path / name)
-                       for name in ("hidden", "token_ids", *(("scales",) if fp8 else ()))}
-        self.chunk_tokens = self.arrays["hidden"].chunk_shape[0]
+        self.arrays = {name: _Array.open(path / name) for name in shapes}
+        for name, a in self.arrays.items():  # chunk buffers are sized by the manifest, not by a file
+            if a.chunk_shape != shapes[name]:
+                raise StoreError(f"array {a.path} has chunks of {a.chunk_shape}, the store's manifest says "
+                                 f"{shapes[name]}", _SEGMENT_FIX)
+        self.chunk_tokens = C
+        self.weights_hash = self.arrays["hidden"].attributes.get("verifier_weights_hash")  # None: from before
         self._cache: OrderedDict[tuple[str, int], np.ndarray] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -275,7 +324,6 @@ class ZarrStore(Source):
         self.root = Path(root)
         self.location = str(self.root)
         self.manifest = StoreManifest.load(self.root)
-        self._fp8 = self.manifest.encoding == "fp8_e4m3"
         self._segments: dict[str, _Segment] = {}
         self._seg_lock = threading.Lock()
         self.refresh()
@@ -331,7 +379,7 @@ class ZarrStore(Source):
     def _segment(self, name: str) -> _Segment:
         with self._seg_lock:  # reader threads: open each segment's arrays once
             if name not in self._segments:
-                self._segments[name] = _Segment(self.root / "segments" / name, self._fp8)
+                self._segments[name] = _Segment(self.root / "segments" / name, self.manifest)
             return self._segments[name]
 
     def _read_entry(self, e: IndexEntry, check: bool):
@@ -420,7 +468,7 @@ class ZarrStore(Source):
                     for name, a in self._segment(e.segment).arrays.items():
                         key = (e.segment, name, c)
                         if key not in ok:
-                            ok[key] = _chunk_problem(a.chunk_path(c), a.where(c))
+                            ok[key] = a.problem(c)
                         problem = problem or ok[key]
                 if problem is None:
                     break
@@ -456,7 +504,20 @@ class ZarrStore(Source):
                 "segments": len(list((self.root / "segments").glob("*"))) if (self.root / "segments").exists() else 0,
                 "duplicate_records": self.duplicates, "damaged_index_records": len(self._view.damaged_records),
                 "raw_bytes": raw, "disk_bytes": disk,
-                "ratio": round(raw / disk, 3) if disk else None, "manifest": m.model_dump()}
+                "ratio": round(raw / disk, 3) if disk else None, "manifest": m.model_dump(),
+                "segments_with_other_weights": self.segments_with_other_weights()}
+
+    def segments_with_other_weights(self) -> list[dict]:
+        """Segments written (with --accept-other-weights) by a verifier whose weights differ from the manifest's."""
+        v, out = self._view, []
+        for name in sorted({e.segment for sid in v.first for e in v.records(sid)}):
+            try:
+                written_by = self._segment(name).weights_hash
+            except Exception:  # a segment that cannot be opened: `store verify` reports its samples
+                continue
+            if weights_differ(self.manifest.verifier_weights_hash, written_by):
+                out.append({"segment": name, "verifier_weights_hash": written_by})
+        return out
 
 
 @dataclass
@@ -499,8 +560,8 @@ def repaired_records(root: str | Path) -> set[tuple[str, int]]:
     root, out = Path(root), set()
     for p in sorted((root / REPAIRS).glob("*.json")) if (root / REPAIRS).exists() else []:
         try:
-            out.update((seg, off) for seg, off in json.loads(p.read_text())["damaged_index_records"])
-        except (ValueError, KeyError, TypeError):
+            out.update((seg, off) for seg, off in json.loads(read_bounded(p, META_BYTES))["damaged_index_records"])
+        except (OSError, FileRefused, ValueError, KeyError, TypeError):
             continue  # an unreadable note covers nothing: verify still reports those records
     return out
 
@@ -568,9 +629,10 @@ class ZarrSink(Sink):
     MAX_INFLIGHT = 4  # chunks queued or being written; more makes write() wait (bounded memory)
 
     def __init__(self, root: str | Path, manifest: StoreManifest, writer_id: str | None = None,
-                 rewrite: Iterable[int] = (), write_threads: int = 2):
+                 rewrite: Iterable[int] = (), write_threads: int = 2, accept_other_weights: bool = False):
         self.root = Path(root)
-        self.manifest = manifest.create_or_match(self.root)
+        self.manifest = manifest.create_or_match(self.root, accept_other_weights)
+        self._weights_hash = manifest.verifier_weights_hash  # this writer's: its segment records it
         self.write_threads = write_threads  # 0: compress and write in the caller's thread
         self._known = set(ZarrStore(self.root).sample_ids) - set(rewrite)
         self._writer_id = writer_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -612,7 +674,8 @@ class ZarrSink(Sink):
                  "token_ids": ((CAPACITY,), (C,), np.int32, small)}
         if m.encoding == "fp8_e4m3":
             specs["scales"] = ((CAPACITY, L), (C, L), np.float32, small)
-        attrs = {"logical_dtype": m.dtype, "encoding": m.encoding, "layer_ids": m.captured_layer_ids}
+        attrs = {"logical_dtype": m.dtype, "encoding": m.encoding, "layer_ids": m.captured_layer_ids,
+                 "verifier_weights_hash": self._weights_hash}
         for name, (shape, chunks, dtype, codec) in specs.items():  # zarr writes the metadata, we the chunks
             group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=[codec], fill_value=0,
                                config=cfg, attributes=attrs if name == "hidden" else None,
@@ -790,10 +853,10 @@ class ZarrSink(Sink):
 
 @register_sink("zarr")
 def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, rewrite: Iterable[int] = (),
-                    **_) -> ZarrSink:
+                    accept_other_weights: bool = False, **_) -> ZarrSink:
     if store is None:
         raise InputError("writing to zarr needs a store folder", "pass --store PATH")
-    return ZarrSink(store, manifest, rewrite=rewrite)
+    return ZarrSink(store, manifest, rewrite=rewrite, accept_other_weights=accept_other_weights)
 
 
 @register_source("zarr")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dspark.connector.base import open_sink
 from dspark.connector.config import SinkConfig
-from dspark.connector.manifest import default_store, manifest_for_model
+from dspark.connector.manifest import StoreManifest, default_store, manifest_for_model, require_same_weights
 from dspark.config import MooncakeConfig
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
@@ -47,12 +47,14 @@ class ExtractConfig:
     trust_remote_code: bool = False
     prefix_caching: bool = True  # vllm engine: shared prompt prefixes are computed once
     tensor_parallel_size: int = 1  # vllm engine: devices per extraction process
+    accept_other_weights: bool = False  # extend a store extracted with other verifier weights (its segment says so)
     mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
 
     def sinks(self, prepared_fingerprint: str) -> SinkConfig:
         return SinkConfig(to=self.to, store=self.store, prepared_fingerprint=prepared_fingerprint,
                           verifier_name=self.verifier_name, encoding=self.encoding, chunk_tokens=self.chunk_tokens,
-                          writer_threads=self.mooncake.writer_threads, mooncake=self.mooncake)
+                          writer_threads=self.mooncake.writer_threads, accept_other_weights=self.accept_other_weights,
+                          mooncake=self.mooncake)
 
 
 def plan_batches(data: PreparedData, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -79,11 +81,15 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
+def _existing_store(store: str | None, to: str) -> bool:
+    return bool(store and "zarr" in to and (Path(store) / "manifest.json").exists())
+
+
 def _stored_damage(store: str | None, to: str) -> tuple[dict[int, str], int]:
     """(stored samples whose chunk files are missing or truncated, damaged index records) of an existing store."""
     from dspark.connector.zarr_store import ZarrStore, repaired_records
 
-    if not (store and "zarr" in to and (Path(store) / "manifest.json").exists()):
+    if not _existing_store(store, to):
         return {}, 0
     existing = ZarrStore(store)
     return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(store))
@@ -103,6 +109,10 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
+    if _existing_store(cfg.store, cfg.to) and require_same_weights(  # before the model loads; the sink checks again
+            StoreManifest.load(Path(cfg.store)), cfg.store, cfg.model, cfg.accept_other_weights):
+        print(f"store {cfg.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
+              "the new segment records them (`dspark store info` lists it)", file=sys.stderr)
     batches = [b for j, b in enumerate(plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)) if j % shard_n == shard_i]
     found, bad_records = _stored_damage(cfg.store, cfg.to)
     mine = {i for b in batches for i in b}
@@ -120,7 +130,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, cfg.encoding, cfg.chunk_tokens,
                                   cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code)
 
-    sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake, rewrite=rewrite)
+    sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake, rewrite=rewrite,
+                     accept_other_weights=cfg.accept_other_weights)
     tokens, t0 = 0, time.perf_counter()
     try:
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
@@ -159,13 +170,15 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
 
 
 def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tokens: int = 8192,
-               max_batch_size: int = 64, trust_remote_code: bool = False, progress: bool = True) -> dict:
+               max_batch_size: int = 64, trust_remote_code: bool = False, progress: bool = True,
+               accept_other_weights: bool = False) -> dict:
     """Re-extract exactly the damaged and missing samples of a store into a new segment.
 
     Reads every sample back (`check_store`), then runs the extraction with the
     store's own layers, encoding, chunking and dtype, rewriting only those ids; the
     batches are planned as `dspark extract` plans them, so with the original
-    --batch-tokens/--max-batch-size the new copies are byte-identical on CPU.
+    --batch-tokens/--max-batch-size the new copies are byte-identical on CPU. A verifier with
+    other weights than the store's is refused before anything is read, unless accepted.
     """
     from dspark.connector.zarr_store import ZarrStore, check_store, note_repair
 
@@ -174,6 +187,7 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
     if s.manifest.prepared_fingerprint != prepared.fingerprint:
         raise StoreMismatch(f"store {store} was extracted from other prepared data than {data}",
                             "pass --data the prepared folder the store was extracted from")
+    require_same_weights(s.manifest, store, model, accept_other_weights)
     found = check_store(s, len(prepared), progress=progress)
     todo = sorted(set(found.damaged) | set(found.missing))
     out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),
@@ -183,7 +197,7 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
         cfg = ExtractConfig(model=model, data=data, store=store, target_layer_ids=m.target_layer_ids, device=device,
                             dtype=m.dtype, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                             encoding=m.encoding, chunk_tokens=m.chunk_tokens, verifier_name=m.verifier_name,
-                            trust_remote_code=trust_remote_code)
+                            trust_remote_code=trust_remote_code, accept_other_weights=accept_other_weights)
         out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
     after = check_store(ZarrStore(store), len(prepared), ids=todo)
     if after.damaged or after.missing:
