@@ -11,7 +11,8 @@ Output folder (written to a temp folder, then renamed: never half-written):
   loss_mask.npy  uint8 [total_tokens]
   offsets.npy    int64 [num_samples+1]  sample i = [offsets[i], offsets[i+1])
   token_freq.pt  {token_id: count} over supervised tokens (draft-vocab input)
-  prepare.json   config, stats, tokenizer hash and the data fingerprint
+  prepare.json   config, stats, tokenizer hash, the data fingerprint and the files' record
+                 (size and xxh3 of each file above: `PreparedData` refuses files changed since)
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 import zlib
 from collections import Counter
 from contextlib import contextmanager
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark.errors import InputError
+from dspark.files import file_xxh3
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
 
 # Role names public dumps use -> the chat template's roles. Matched case-insensitively;
@@ -48,7 +52,11 @@ ROLES = {
 }
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
 PREPARE_FORMAT = 1
-PREPARED_FILES = ("prepare.json", "input_ids.npy", "loss_mask.npy", "offsets.npy", "token_freq.pt")
+RECORDED_FILES = ("input_ids.npy", "loss_mask.npy", "offsets.npy", "token_freq.pt")  # prepare.json records them
+PREPARED_FILES = ("prepare.json", *RECORDED_FILES)
+ARRAYS = {"input_ids.npy": np.int32, "loss_mask.npy": np.uint8, "offsets.npy": np.int64}
+# A template that times out on each of the first conversations times out on every one: stop, not drop them all.
+TIMEOUTS_BEFORE_GIVING_UP = 3
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class PrepareConfig:
     role_map: str | dict | None = None  # extra role names: "bing=assistant,foo=user", JSON, or a dict
     strict: bool = False                # a conversation that would be dropped is an error instead
     skip_invalid_lines: bool = False    # count and skip malformed-JSON / non-UTF-8 lines instead of failing
+    template_timeout: float = 5.0       # seconds to render one conversation (real templates take ms); 0: no limit
 
 
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
@@ -342,6 +351,8 @@ def _drop_fix(reason: str, strict: bool = False) -> str:
         return "lower --minimum-valid-tokens or raise --seq-length"
     if reason == "chat_template_error":
         return "fix that conversation, or use a model whose chat template accepts it"
+    if reason == "template_timeout":
+        return "fix the chat template (a loop that does not end?), or use a model whose template renders in time"
     return "fix or delete that line" if strict else "pass conversations with a user and an assistant turn"
 
 
@@ -432,19 +443,50 @@ def _init_worker(model: str, trust_remote_code: bool):
     _worker_tok = load_tokenizer(model, trust_remote_code)
 
 
-def _tokenize_or_error(tokenizer, messages: list[dict], seq_length: int):
-    """(ids, mask, None), or (None, None, why) when the chat template refuses this conversation."""
+class _TemplateTimeout(BaseException):
+    """Rendering ran past its time limit (a BaseException: library code's `except Exception` must not swallow it)."""
+
+
+@contextmanager
+def _time_limit(seconds: float):
+    """Raise `_TemplateTimeout` inside this block once `seconds` have passed.
+
+    A SIGALRM timer: jinja renders in Python bytecode, which the handler interrupts wherever it loops.
+    Signals reach the main thread only, so elsewhere (prepare called from a thread) there is no limit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum, _frame):
+        raise _TemplateTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _tokenize_or_error(tokenizer, messages: list[dict], seq_length: int, timeout: float):
+    """(ids, mask, None), or (None, None, (drop reason, why)) when the chat template refuses this
+    conversation or takes over `timeout` seconds to render it."""
     from jinja2 import TemplateError
 
     try:
-        return (*tokenize_conversation(tokenizer, messages, seq_length), None)
+        with _time_limit(timeout):
+            return (*tokenize_conversation(tokenizer, messages, seq_length), None)
+    except _TemplateTimeout:
+        return None, None, ("template_timeout", f"the chat template took over {timeout:g} s to render it")
     except TemplateError as e:  # e.g. "Conversation roles must alternate user/assistant/..."
-        return None, None, " ".join(str(e).split())[:200] or type(e).__name__
+        why = " ".join(str(e).split())[:200] or type(e).__name__
+        return None, None, ("chat_template_error", f"the chat template refused it: {why}")
 
 
 def _work(args):
-    messages, seq_length = args
-    return _tokenize_or_error(_worker_tok, messages, seq_length)
+    return _tokenize_or_error(_worker_tok, *args)
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
@@ -464,38 +506,41 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     if role_map := parse_role_map(cfg.role_map):  # only when given: keys of earlier runs stay valid
         key["role_map"] = role_map
     inputs_key = sha256_json(key)
-    meta_path = out / "prepare.json"
-    if meta_path.exists() and all((out / f).is_file() for f in PREPARED_FILES):
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (OSError, ValueError):
-            meta = {}  # unreadable: prepare again
-        if (isinstance(meta, dict) and meta.get("inputs_key") == inputs_key and "stats" in meta
-                and not (cfg.strict and meta["stats"].get("dropped"))):  # --strict: fail on those drops
-            return {**meta["stats"], "up_to_date": True}
+    try:
+        meta = PreparedData(out).meta  # opens a complete folder whose files are as prepare wrote them
+    except InputError:
+        meta = {}  # missing, damaged or edited: prepare again
+    if (meta.get("inputs_key") == inputs_key and "stats" in meta and "files" in meta  # no record: write one
+            and not (cfg.strict and meta["stats"].get("dropped"))):  # --strict: fail on those drops
+        return {**meta["stats"], "up_to_date": True}
     _check_writable(out)
 
     workers = max(1, cfg.num_preprocessing_workers)
-    jobs = [(m, cfg.seq_length) for m in convs]
+    jobs = [(m, cfg.seq_length, cfg.template_timeout) for m in convs]
     bar = tqdm(total=len(jobs), desc="prepare", unit="conv", disable=not progress)
+    results = []
+
+    def take(result) -> None:
+        results.append(result)
+        bar.update()
+        if len(results) == TIMEOUTS_BEFORE_GIVING_UP and all(e and e[0] == "template_timeout" for *_, e in results):
+            raise InputError(f"the chat template of {model} took over {cfg.template_timeout:g} s to render each of "
+                             f"the first {len(results)} conversations", _drop_fix("template_timeout"))
+
     if workers == 1:
-        results = []
-        for m, s in jobs:
-            results.append(_tokenize_or_error(tok, m, s))
-            bar.update()
+        for job in jobs:
+            take(_tokenize_or_error(tok, *job))
     else:
         with get_context("spawn").Pool(workers, _init_worker, (str(model), cfg.trust_remote_code)) as pool:
-            results = []
             for r in pool.imap(_work, jobs, chunksize=16):  # imap keeps input order: deterministic
-                results.append(r)
-                bar.update()
+                take(r)
     bar.close()
 
     kept_ids, kept_mask = [], []
     freq: Counter = Counter()
     for (ids, mask, error), where in zip(results, data.where):
         if error is not None:
-            reason, what = "chat_template_error", f"the chat template refused it: {error}"
+            reason, what = error
         elif (valid := sum(mask)) < cfg.minimum_valid_tokens:
             reason, what = "below_minimum_valid_tokens", (
                 f"{valid} supervised tokens within --seq-length {cfg.seq_length}, "
@@ -521,9 +566,8 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
              "cut_bytes": data.cut_bytes}
     if data.cut_warning:
         stats["warnings"] = [data.cut_warning]
-    fingerprint = hashlib.sha256(input_ids.tobytes() + loss_mask.tobytes() + offsets.tobytes()).hexdigest()
     meta = {"format": PREPARE_FORMAT, "config": asdict(cfg), "inputs_key": inputs_key,
-            "tokenizer_hash": tokenizer_hash(model), "fingerprint": fingerprint,
+            "tokenizer_hash": tokenizer_hash(model), "fingerprint": data_fingerprint(input_ids, loss_mask, offsets),
             "vocab_size": len(tok), "stats": stats}
     _write_atomically(out, {"input_ids.npy": input_ids, "loss_mask.npy": loss_mask, "offsets.npy": offsets},
                       dict(freq), meta)
@@ -549,6 +593,14 @@ def _check_writable(out: Path) -> None:
                          "choose a --output you can write to") from None
 
 
+def data_fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray) -> str:
+    """The prepared data's identity, which stores and runs name: sha256 over the three arrays' bytes."""
+    h = hashlib.sha256()
+    for arr in (input_ids, loss_mask, offsets):
+        h.update(memoryview(np.ascontiguousarray(arr)))  # memory-mapped arrays are read, not copied
+    return h.hexdigest()
+
+
 def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:
     import torch
 
@@ -558,7 +610,8 @@ def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:
         for name, arr in arrays.items():
             np.save(tmp / name, arr)
         torch.save(freq, tmp / "token_freq.pt")
-        (tmp / "prepare.json").write_text(json.dumps(meta, indent=2))
+        files = {name: {"bytes": (tmp / name).stat().st_size, "xxh3_128": file_xxh3(tmp / name)} for name in RECORDED_FILES}
+        (tmp / "prepare.json").write_text(json.dumps({**meta, "files": files}, indent=2))
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -568,7 +621,12 @@ def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:
 
 
 class PreparedData:
-    """Read-only view of a prepared folder."""
+    """Read-only view of a prepared folder, checked on open.
+
+    The arrays' dtypes, shapes, offsets (from 0, increasing, ending at the last token) and, against
+    the record prepare.json keeps, each file's size and xxh3 (a folder prepared before the record:
+    the sha256 fingerprint itself). A folder edited since `dspark prepare` wrote it is refused.
+    """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -586,7 +644,10 @@ class PreparedData:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{meta_path} is unreadable or incomplete ({type(e).__name__}: {e})",
                              self._rerun) from None
-        self.offsets = self._load("offsets.npy")
+        arrays = [self._load(name, mmap_mode="r") for name in ARRAYS]  # input_ids, loss_mask, offsets
+        self._check_arrays(*arrays)
+        self._check_files(*arrays)
+        self.offsets = np.array(arrays[2])  # at most one per token (checked): memory as the tokens'
 
     @property
     def _rerun(self) -> str:
@@ -594,10 +655,54 @@ class PreparedData:
 
     def _load(self, name: str, mmap_mode=None) -> np.ndarray:
         try:
-            return np.load(self.path / name, mmap_mode=mmap_mode)
+            return np.load(self.path / name, mmap_mode=mmap_mode, allow_pickle=False)
         except (OSError, ValueError, EOFError) as e:
             raise InputError(f"{self.path / name} is unreadable ({' '.join(str(e).split())[:200]})",
                              self._rerun) from None
+
+    def _refuse(self, name: str, what: str) -> InputError:
+        return InputError(f"{self.path / name} {what}", self._rerun)
+
+    def _check_arrays(self, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray) -> None:
+        """Dtypes, shapes and offsets, vectorised over the memory-mapped arrays (only offsets.npy is read)."""
+        for (name, dtype), arr in zip(ARRAYS.items(), (input_ids, loss_mask, offsets)):
+            if arr.dtype != dtype or arr.ndim != 1:
+                raise self._refuse(name, f"holds {arr.dtype} of shape {list(arr.shape)}, not the 1-D "
+                                         f"{np.dtype(dtype)} array prepare writes")
+        tokens = len(input_ids)
+        if len(loss_mask) != tokens:
+            raise self._refuse("loss_mask.npy", f"holds {len(loss_mask)} entries for the {tokens} tokens of "
+                                                "input_ids.npy")
+        if len(offsets) < 2:
+            raise self._refuse("offsets.npy", f"holds {len(offsets)} offsets: no sample")
+        if len(offsets) > tokens + 1:
+            raise self._refuse("offsets.npy", f"holds {len(offsets)} offsets for {tokens} tokens (a sample "
+                                              "holds at least one)")
+        if offsets[0] != 0:
+            raise self._refuse("offsets.npy", f"starts at token {offsets[0]}, not 0")
+        bad = np.flatnonzero(np.diff(offsets) <= 0)
+        if bad.size:
+            i = int(bad[0])
+            raise self._refuse("offsets.npy", f"gives sample {i} the tokens [{offsets[i]}, {offsets[i + 1]}) (each "
+                                              "sample starts where the one before ends and holds at least one token)")
+        if offsets[-1] != tokens:
+            raise self._refuse("offsets.npy", f"ends at token {offsets[-1]}, but input_ids.npy holds {tokens} tokens")
+
+    def _check_files(self, input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray) -> None:
+        """The files against prepare.json's record of them, so the fingerprint still names what they hold."""
+        record = self.meta.get("files")
+        if record is None:  # prepared before the record existed: the fingerprint itself (sha256, slower)
+            if data_fingerprint(input_ids, loss_mask, offsets) != self.fingerprint:
+                raise InputError(f"the files of {self.path} do not match its fingerprint (changed since prepare "
+                                 "wrote them)", self._rerun)
+            return
+        for name in RECORDED_FILES:
+            want = record.get(name) if isinstance(record, dict) else None
+            path = self.path / name
+            if (not isinstance(want, dict) or path.stat().st_size != want.get("bytes")  # the size first: no read
+                    or file_xxh3(path) != want.get("xxh3_128")):
+                raise self._refuse(name, "changed since prepare wrote it (its size or xxh3 differs from the record "
+                                         "in prepare.json)")
 
     @cached_property
     def input_ids(self) -> np.ndarray:

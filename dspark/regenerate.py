@@ -62,6 +62,8 @@ from typing import Literal
 
 from dspark.config import check_settings, setting
 from dspark.errors import InputError
+from dspark.jsonio import dump_json
+from dspark.verifier_check import check_verifier_config
 
 FORMAT = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -161,6 +163,7 @@ class TransformersGenerator(Generator):
 
         self.torch, self.tokenizer, self.stop, self.cfg = torch, tokenizer, stop, cfg
         self.device = torch.device(cfg.device)
+        check_verifier_config(cfg.model, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             cfg.model, dtype=getattr(torch, dtype), trust_remote_code=cfg.trust_remote_code).to(self.device).eval()
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop[0]
@@ -210,6 +213,7 @@ class VllmGenerator(Generator):
         os.environ.update(cpu_env())
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # a kill -9 leaves no orphaned engine behind
         self.tokenizer, self.stop, self.cfg = tokenizer, stop, cfg
+        check_verifier_config(cfg.model, dtype, host_memory=not torch.cuda.is_available())
         self.llm = LLM(model=str(cfg.model), dtype=dtype, seed=cfg.seed, trust_remote_code=cfg.trust_remote_code,
                        enforce_eager=not torch.cuda.is_available(),  # CPU: compiling costs ~50 s of startup
                        disable_log_stats=True)
@@ -434,7 +438,7 @@ def _run(cfg, f, record: Record, resumed: bool, prompts: list[Prompt], dropped: 
         if read.cut_warning:  # a JSON array cut off at its end: its complete records were used
             result["input_warning"] = read.cut_warning
         tmp = sidecar(output, ".summary.json.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.write_text(dump_json(result, indent=2) + "\n")
         os.replace(tmp, sidecar(output, ".summary.json"))
         return result
 

@@ -1,4 +1,8 @@
+import json
 import os
+import re
+import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,8 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from conftest import LAYERS, run_cli
 from dspark.connector.zarr_store import ZarrStore, _RECORD
+from dspark.decode.verifier import Verifier
+from dspark.errors import InputError
 from dspark.extract.transformers_engine import TransformersEngine
 from dspark.prepare import PreparedData
+from dspark.verifier_check import check_verifier_config
 
 
 def test_states_equal_a_direct_transformers_forward(verifier, prepared):
@@ -44,6 +51,75 @@ def test_layer_id_out_of_range_is_one_clear_line(verifier, prepared, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: target layer id(s) [9] out of range for a verifier with 6 layers (fix: use ids in 0..6 (0 = embeddings))"]
+
+
+def _verifier_with(verifier, folder, **config):
+    """A copy of the verifier whose config.json says otherwise; its weights are the tiny model's."""
+    shutil.copytree(verifier, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **config}))
+    return folder
+
+
+def _address_space(limit: int):
+    """For a child process: fail any allocation past `limit` bytes instead of taking the machine's memory."""
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+
+IMPOSSIBLE_CONFIGS = [  # config.json as the probe edited it, and the field and value the one line names
+    ({"hidden_size": 2**20}, "hidden_size 1048576"),
+    ({"vocab_size": 2**31}, "vocab_size 2147483648"),
+    ({"hidden_size": -128}, "hidden_size -128"),
+    ({"num_hidden_layers": 100000, "layer_types": None}, "num_hidden_layers 100000"),
+]
+
+
+@pytest.mark.parametrize("config, named", IMPOSSIBLE_CONFIGS, ids=[n for _, n in IMPOSSIBLE_CONFIGS])
+def test_a_verifier_config_that_cannot_be_built_is_refused_naming_the_field(verifier, tmp_path, config, named):
+    model = _verifier_with(verifier, tmp_path / "verifier", **config)
+    with pytest.raises(InputError, match=f"^{re.escape(str(model / 'config.json'))}: {named}[ ,]"):
+        TransformersEngine(model, LAYERS)
+
+
+def test_extract_with_a_verifier_of_100000_layers_is_one_line_before_anything_is_allocated(verifier, prepared,
+                                                                                           tmp_path):
+    model = _verifier_with(verifier, tmp_path / "verifier", num_hidden_layers=100000, layer_types=None)
+    # 4 GiB of address space: a tiny extraction needs under 3, building the model fails loudly
+    proc = run_cli("extract", "--model", model, "--data", prepared, "--store", tmp_path / "s", "--target-layer-ids",
+                   1, "--no-progress", check=False, timeout=120, preexec_fn=_address_space(4 << 30))
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {model / 'config.json'}: num_hidden_layers 100000, but model.safetensors holds layers 0..5 only "
+        "(fix: correct config.json to match the model's weights, or download the model folder again)"]
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_verifier_too_big_for_this_machine_is_refused_from_its_config(tmp_path):
+    folder = tmp_path / "big"
+    folder.mkdir()  # no weights needed: the sizes alone say it cannot fit
+    (folder / "config.json").write_text(json.dumps({"vocab_size": 2**20, "hidden_size": 2**16, "num_hidden_layers": 4,
+                                                    "num_attention_heads": 64, "dtype": "bfloat16"}))
+    with pytest.raises(InputError, match=r"config.json: a verifier of these sizes \(vocab_size 1048576, hidden_size "
+                                         r"65536, num_hidden_layers 4.*\) needs at least 2\d\d.\d GB for its "
+                                         r"weights in bfloat16, more than the \d+.\d GB of memory available"):
+        check_verifier_config(folder)
+    check_verifier_config(folder, host_memory=False)  # weights that go to a device are not held here
+
+
+@pytest.mark.parametrize("config, why", [
+    ({"num_key_value_heads": 3}, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ({"hidden_size": 130, "head_dim": None}, "hidden_size 130 is not a multiple of num_attention_heads 4 "
+                                             r"\(and no head_dim is given\)"),
+    ({"vocab_size": 512.0}, "vocab_size 512.0 is not a positive integer"),
+])
+def test_heads_that_do_not_divide_or_sizes_that_are_not_counts_are_refused(verifier, tmp_path, config, why):
+    with pytest.raises(InputError, match="config.json: " + why):
+        check_verifier_config(_verifier_with(verifier, tmp_path / "verifier", **config))
+
+
+def test_the_decode_verifier_checks_its_config_too(verifier, tmp_path):
+    model = _verifier_with(verifier, tmp_path / "verifier", hidden_size=-128)
+    with pytest.raises(InputError, match=r"config.json: hidden_size -128 is not a positive integer"):
+        Verifier(model, [1])
 
 
 def test_tensor_parallel_needs_the_vllm_engine(verifier, prepared, tmp_path):

@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -227,16 +228,21 @@ def test_role_map_parsing_and_a_json_array_dump(verifier, tmp_path):
         read_conversations(tmp_path / "u16.jsonl")
 
 
-def test_a_template_that_refuses_a_conversation_drops_it(verifier, tmp_path):
-    strict = tmp_path / "alternating"
-    strict.mkdir()
+def _with_template_step(verifier, folder, step: str):
+    """A copy of the verifier's tokenizer whose chat template runs `step` first for every message."""
+    folder.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json", "config.json", "chat_template.jinja"):
-        (strict / f).write_bytes((verifier / f).read_bytes())
+        (folder / f).write_bytes((verifier / f).read_bytes())
     template = (verifier / "chat_template.jinja").read_text()
-    (strict / "chat_template.jinja").write_text(template.replace(
-        "{% for message in messages %}",
-        "{% for message in messages %}{% if loop.index0 and message['role'] == messages[loop.index0 - 1]['role'] %}"
-        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}", 1))
+    (folder / "chat_template.jinja").write_text(template.replace(
+        "{% for message in messages %}", "{% for message in messages %}" + step, 1))
+    return folder
+
+
+def test_a_template_that_refuses_a_conversation_drops_it(verifier, tmp_path):
+    strict = _with_template_step(verifier, tmp_path / "alternating", (
+        "{% if loop.index0 and message['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"))
     twice = [QA[0], QA[0], QA[1]]
     src = write_jsonl(tmp_path / "c.jsonl", [{"messages": QA}, {"messages": twice}])
     s = prepare(PrepareConfig(str(strict), str(src), str(tmp_path / "p")), progress=False)
@@ -267,6 +273,113 @@ def test_a_damaged_prepared_folder_is_one_line(verifier, chat_file, tmp_path):
     (out / "input_ids.npy").write_bytes(b"\x93NUMPY")
     with pytest.raises(InputError, match="input_ids.npy is unreadable"):
         PreparedData(out).sample(0)
+
+
+# 10**10 steps of the template's sandbox (each range() is within its limit): it never finishes.
+LOOP_FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_template_that_renders_too_long_drops_the_conversation(verifier, tmp_path, workers):
+    slow = _with_template_step(verifier, tmp_path / "slow", "{% if 'slowly' in message['content'] %}"
+                               + LOOP_FOREVER + "{% endif %}")
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": QA}, {"messages": [{"role": "user", "content": "slowly"},
+                                                                          QA[1]]}, {"messages": QA}])
+    s = prepare(PrepareConfig(str(slow), str(src), str(tmp_path / "p"), template_timeout=0.5,
+                              num_preprocessing_workers=workers), progress=False)
+    assert s["kept"] == 2 and s["dropped_by_reason"] == {"template_timeout": 1}
+    if workers == 1:
+        with pytest.raises(InputError, match=r"c.jsonl:2: the chat template took over 0.5 s to render it "
+                                             r"\[template_timeout\]"):
+            prepare(PrepareConfig(str(slow), str(src), str(tmp_path / "q"), template_timeout=0.5, strict=True),
+                    progress=False)
+
+
+@pytest.mark.timeout(120)
+def test_a_template_that_never_finishes_stops_prepare_after_a_few_conversations(verifier, tmp_path):
+    hung = _with_template_step(verifier, tmp_path / "hung", LOOP_FOREVER)
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": QA}] * 50)
+    with pytest.raises(InputError, match=r"the chat template of .*hung took over 0.2 s to render each of the first 3 "
+                                         r"conversations .*fix: fix the chat template"):
+        prepare(PrepareConfig(str(hung), str(src), str(tmp_path / "p"), template_timeout=0.2), progress=False)
+
+
+def _copy_with(prepared, out, name: str, edit):
+    """A copy of a prepared folder whose `name` array is rewritten as `edit` makes it."""
+    shutil.copytree(prepared, out)
+    np.save(out / name, edit(np.load(out / name)))
+    return out
+
+
+def _set(i: int, value: int):
+    def edit(offsets):
+        offsets[i] = value
+        return offsets
+    return edit
+
+
+EDITED_OFFSETS = {  # offsets.npy as the probe edited it, and what the one line says
+    "negative": (_set(3, -(1 << 32)), r"gives sample 2 the tokens \[\d+, -4294967296\)"),
+    "beyond_the_tokens": (_set(-1, 10**12), r"ends at token 1000000000000, but input_ids.npy holds \d+ tokens"),
+    "overlapping": (lambda o: _set(3, o[1])(o), r"gives sample 2 the tokens \[\d+, \d+\)"),
+    "float": (lambda o: o.astype(np.float64), r"holds float64 of shape \[\d+\], not the 1-D int64"),
+    "2-D": (lambda o: np.stack([o, o]), r"holds int64 of shape \[2, \d+\], not the 1-D int64"),
+    "empty": (lambda o: o[:0], r"holds 0 offsets: no sample"),
+    "ten_million": (lambda o: np.arange(10**7), r"holds 10000000 offsets for \d+ tokens"),
+}
+
+
+@pytest.mark.parametrize("case", EDITED_OFFSETS)
+def test_an_edited_offsets_file_is_refused_naming_it(prepared, tmp_path, case):
+    edit, why = EDITED_OFFSETS[case]
+    out = _copy_with(prepared, tmp_path / "p", "offsets.npy", edit)
+    with pytest.raises(InputError, match=re.escape(str(out / "offsets.npy")) + " " + why + r".*fix: delete"):
+        PreparedData(out)
+
+
+def test_extract_stops_at_once_on_offsets_beyond_the_tokens(verifier, prepared, tmp_path):
+    out = _copy_with(prepared, tmp_path / "p", "offsets.npy", EDITED_OFFSETS["beyond_the_tokens"][0])
+    line = _one_error_line(run_cli("extract", "--model", verifier, "--data", out, "--store", tmp_path / "s",
+                                   "--target-layer-ids", 1, "--no-progress", check=False, timeout=120))
+    assert f"{out / 'offsets.npy'} ends at token 1000000000000" in line and not (tmp_path / "s").exists()
+
+
+def test_files_changed_since_prepare_are_refused_and_prepared_again(verifier, chat_file, tmp_path):
+    out = tmp_path / "p"
+    cfg = PrepareConfig(str(verifier), str(chat_file), str(out), seq_length=64)
+    prepare(cfg, progress=False)
+    fingerprint = PreparedData(out).fingerprint
+    offsets = np.load(out / "offsets.npy")
+    offsets[1] += 1  # still ordered and within the tokens: only the record made at prepare time tells
+    np.save(out / "offsets.npy", offsets)
+    with pytest.raises(InputError, match=re.escape(f"{out / 'offsets.npy'} changed since prepare wrote it")):
+        PreparedData(out)
+    assert prepare(cfg, progress=False)["up_to_date"] is False and PreparedData(out).fingerprint == fingerprint
+    ids = np.load(out / "input_ids.npy", mmap_mode="r+")
+    ids[5] += 1  # one token, same size
+    ids.flush()
+    del ids
+    with pytest.raises(InputError, match=re.escape(f"{out / 'input_ids.npy'} changed since prepare wrote it")):
+        PreparedData(out)
+
+
+def test_a_folder_prepared_without_the_file_record_is_checked_against_its_fingerprint(verifier, chat_file, tmp_path):
+    out = tmp_path / "p"
+    cfg = PrepareConfig(str(verifier), str(chat_file), str(out), seq_length=64)
+    prepare(cfg, progress=False)
+    meta = json.loads((out / "prepare.json").read_text())
+    del meta["files"]  # as prepare wrote it before the record existed
+    (out / "prepare.json").write_text(json.dumps(meta))
+    assert PreparedData(out).fingerprint == meta["fingerprint"]  # still readable
+    offsets = np.load(out / "offsets.npy")
+    offsets[1] += 1
+    np.save(out / "offsets.npy", offsets)
+    with pytest.raises(InputError, match=re.escape(f"the files of {out} do not match its fingerprint")):
+        PreparedData(out)
+    assert prepare(cfg, progress=False)["up_to_date"] is False  # written again, with the record
+    assert "files" in json.loads((out / "prepare.json").read_text())
+    assert PreparedData(out).fingerprint == meta["fingerprint"]
 
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import InputError
+from dspark.verifier_check import check_verifier_config
 
 
 GQA_SDPA = "dspark_gqa_sdpa"
@@ -69,6 +70,7 @@ class Verifier:
         if not (Path(path) / "config.json").exists():
             raise InputError(f"verifier folder {path} has no config.json", "pass --verifier-name-or-path the "
                              "local verifier folder the drafter was trained on")
+        check_verifier_config(path, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).to(device).eval()
         _use_gqa_sdpa(self.model)

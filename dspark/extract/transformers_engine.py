@@ -17,6 +17,7 @@ from dspark.connector.base import Sample, Sink
 from dspark.connector.manifest import validate_layer_ids
 from dspark.errors import InputError
 from dspark.extract.base import ENGINES, Engine
+from dspark.verifier_check import check_verifier_config
 
 
 def _decoder(model):
@@ -55,6 +56,7 @@ class TransformersEngine(Engine):
         if not (path / "config.json").exists():
             raise InputError(f"model folder {path} has no config.json",
                              "pass --model a local Hugging Face model folder")
+        check_verifier_config(path, dtype)
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         config = getattr(config, "text_config", config)
         self.num_layers = config.num_hidden_layers

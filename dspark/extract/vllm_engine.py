@@ -19,6 +19,7 @@ from dspark.connector.config import SinkConfig
 from dspark.errors import InputError
 from dspark.extract.base import ENGINES, Engine
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, cpu_env, num_hidden_layers, speculative_config
+from dspark.verifier_check import check_verifier_config
 
 
 @ENGINES.register("vllm")
@@ -33,6 +34,8 @@ class VllmEngine(Engine):
         except ImportError:
             raise InputError("vLLM is not installed in this environment",
                              "run from .venv-vllm (bash scripts/setup.sh --vllm), or use --engine transformers") from None
+        # On a GPU the weights go to device memory, which vLLM itself checks.
+        check_verifier_config(model, dtype, host_memory=not torch.cuda.is_available())
         os.environ.update(cpu_env())
         # In-process engine core: a kill -9 of `dspark extract` leaves no orphaned engine behind,
         # and run() can step the engine until the connector has written everything.

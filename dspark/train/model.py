@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 
@@ -11,6 +10,7 @@ from dspark.errors import InputError
 from dspark.prepare import PreparedData, load_tokenizer
 from dspark.train.config import TrainConfig
 from dspark.train.muon import Muon, ns_dtype_for
+from dspark.verifier_check import check_verifier_config
 
 
 def attn_impl(device: torch.device) -> str:
@@ -56,9 +56,7 @@ def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
     from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
 
     verifier = cfg.verifier_name_or_path
-    if not (Path(verifier) / "config.json").exists():
-        raise InputError(f"verifier {verifier} has no config.json",
-                         "pass --verifier-name-or-path the local verifier folder used for extraction")
+    check_verifier_config(verifier, host_memory=False)  # only its embedding is loaded here, not the whole model
     vcfg = get_verifier_config(verifier, trust_remote_code=cfg.trust_remote_code)
     if cfg.draft_config:
         layer_cfg = load_draft_transformer_layer_config(cfg.draft_config, verifier, cfg.trust_remote_code)
