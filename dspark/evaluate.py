@@ -16,7 +16,6 @@ targets and anchors it produces rather than re-implementing the drafter.
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from dspark.errors import InputError
+from dspark.jsonio import dump_json
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # Blocks scored per eval, over all batches: a rate's standard error is at most 0.5/sqrt(2048) = 0.011,
@@ -58,13 +58,18 @@ def observe_forward():
 
 
 def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
+    """The drafter in `ckpt` (a folder `require_checkpoint` accepted), with every tensor it saves loaded."""
+    from safetensors import SafetensorError
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-    from dspark.train.checkpoint import require_checkpoint
+    from dspark.train.checkpoint import check_weight_names, damaged, first_line, weight_names
     from dspark.train.model import attn_impl
 
-    ckpt = require_checkpoint(ckpt)
-    config = DSparkSpeculatorConfig.from_pretrained(ckpt)
+    ckpt = Path(ckpt)
+    try:
+        config = DSparkSpeculatorConfig.from_pretrained(ckpt)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        raise damaged(ckpt, f"config.json is not a DSpark drafter config ({first_line(e)})") from None
     config.transformer_layer_config._attn_implementation = attn_impl(device)
     verifier = verifier or config.speculators_config.verifier.name_or_path
     if not verifier or not Path(verifier).exists():
@@ -72,7 +77,13 @@ def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
                          "pass --verifier-name-or-path the verifier folder")
     # The drafter borrows the verifier's embeddings, final norm and lm_head from this path.
     config.speculators_config.verifier.name_or_path = str(verifier)
-    return DSparkDraftModel.from_pretrained(ckpt, config=config).to(device).eval()
+    try:
+        model = DSparkDraftModel.from_pretrained(ckpt, config=config)
+    except (SafetensorError, RuntimeError, ValueError) as e:  # a tensor of another shape, a damaged file
+        raise damaged(ckpt, f"model.safetensors does not load ({first_line(e)})") from None
+    # from_pretrained leaves a tensor the file lacks at its initial value with at most a log line
+    check_weight_names(model, weight_names(ckpt), ckpt)
+    return model.to(device).eval()
 
 
 def _buckets(ctx: np.ndarray) -> list[tuple[int, int]]:
@@ -247,7 +258,7 @@ def save_figure(fig, path: Path, title: str) -> None:
 def write_report(result: dict, out: Path, name: str, markdown_fn, plot_fn, title: str) -> None:
     """NAME.json, NAME.md and NAME.png in `out`: what a script reads, what a person reads, what they look at."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.json").write_text(dump_json(result, indent=2))
     (out / f"{name}.md").write_text(markdown_fn(result))
     plot_fn(result, out / f"{name}.png", title)
 

@@ -3,7 +3,9 @@
 The output folder must be new or empty, or hold an earlier export of the same checkpoint
 (only the files export writes, with the same weights): rerunning an export is then a no-op
 in effect. Anything else is refused unless --force, which overwrites export's own files and
-leaves any others in place.
+leaves any others in place. Every file is written new and renamed into place: a symlink in the
+folder is replaced, never written through (it could point anywhere), and a reader never sees half a file.
+The checkpoint is verified first (its checksums, its config): a damaged one is never shipped.
 
 README.md is a model card (dspark/model_card.py): the verifier, the drafter's specifications, how
 it was made (the prepare/extract/train commands rebuilt from the run's records, no local path),
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import filecmp
 import json
-import shutil
+import os
 from pathlib import Path
 
 from dspark.errors import InputError
@@ -34,6 +36,9 @@ def _absolute_paths(obj, where="config") -> list[str]:
 
 
 def _check_output(out: Path, src: Path, force: bool) -> None:
+    if out.is_symlink() and not out.exists():
+        raise InputError(f"--output {out} is a symlink to {os.readlink(out)}, which does not exist",
+                         "create that folder, or pass a new or empty folder")
     if out.exists() and not out.is_dir():
         raise InputError(f"--output {out} is a file", "pass a folder (new or empty)")
     present = {p.name for p in out.iterdir()} if out.exists() else set()
@@ -48,13 +53,13 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
 
 
 def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
-    from dspark.train.checkpoint import require_checkpoint
+    from dspark.train.checkpoint import copy_atomic, read_config, require_checkpoint, write_atomic
 
     src = require_checkpoint(checkpoint)
     if not verifier_name or verifier_name.startswith(("/", ".", "~")):
         raise InputError(f"--verifier-name {verifier_name!r} is a local path",
                          "name the verifier as vLLM users will load it, e.g. Org/Model")
-    config = json.loads((src / "config.json").read_text())
+    config = read_config(src)
     config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
     config.pop("_name_or_path", None)
     leftover = _absolute_paths(config)
@@ -64,17 +69,17 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
     out = Path(output)
     _check_output(out, src, force)
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src / "model.safetensors", out / "model.safetensors")
+    copy_atomic(src / "model.safetensors", out / "model.safetensors")
     for code in src.glob("*.py"):  # speculators' save_pretrained ships its config class beside config.json
-        shutil.copyfile(code, out / code.name)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+        copy_atomic(code, out / code.name)
+    write_atomic(out / "config.json", json.dumps(config, indent=2))
     tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     card, figures = render(src, config, verifier_name, out)
     for name in FIGURES:  # a figure of an earlier export whose report no longer matches goes
         (out / name).unlink(missing_ok=True)
     for figure, name in figures:
-        shutil.copyfile(figure, out / name)
-    (out / "README.md").write_text(card)
+        copy_atomic(figure, out / name)
+    write_atomic(out / "README.md", card)
     return {"export": str(out), "verifier": verifier_name,
             "serve": serve_command(verifier_name, str(out), tokens),
             "docker": docker_command(verifier_name, str(out.resolve()), tokens),

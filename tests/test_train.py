@@ -259,6 +259,7 @@ def test_a_crafted_trainer_state_is_refused_in_one_line_and_runs_nothing(referen
     marker = tmp_path / "MARKER"
     state = (run / "latest").resolve() / "trainer_state.pt"
     torch.save({"state": Exploit(marker)}, state)
+    (state.parent / "checksums.json").unlink()  # a crafted folder drops (or forges) the checksums that would catch it
     proc = run_cli(*train_argv(store, prepared, verifier, run), check=False, cwd=tmp_path)
     assert proc.returncode == 2 and not marker.exists()
     [line] = proc.stderr.strip().splitlines()

@@ -1,9 +1,24 @@
 """Run folder: recorded config, checkpoints (speculators format + trainer state), pointers.
 
+    RUN/.lock                       locked (flock) by the process writing the run; names it
     RUN/config.json                 resolved config, store fingerprint, seeds, versions
     RUN/metrics.jsonl               every logged metric
     RUN/checkpoints/step-000040/    config.json + model.safetensors (speculators) + trainer_state.pt
+                                    + checksums.json (written last)
     RUN/latest, RUN/best            relative symlinks to checkpoints, swapped atomically
+
+One process writes a run folder: `train` holds an OS lock on RUN/.lock from start to end, and a second
+one is refused in one line naming the holder. The kernel drops a lock when its holder exits, kill -9
+included, so a lock is never stale. Readers (`eval`, `export`, `decode`) take no lock and need none: a
+checkpoint is written as step-N.tmp and renamed into place whole, a run never rewrites one, and a
+`.tmp` folder is refused. `latest` is where the last save pointed, not the truth: a rerun resumes from
+the newest checkpoint of the run, so a lost or dangling `latest` (or a kill between a checkpoint's
+rename and the move of `latest`) neither restarts the run over its checkpoints nor skips one.
+
+checksums.json holds each file's size and xxh3-128, and every load checks them: a truncated or edited
+file is one line, not a traceback or a silently different model. They catch damage, not forgery
+(whoever can edit a file can edit its checksums). Checkpoints of earlier dspark versions have none;
+they load after the checks their files allow without (see `verify_checkpoint`).
 
 trainer_state.pt holds only what `torch.load(weights_only=True)` accepts (tensors, dicts, lists,
 numbers, strings): a run folder may come from anyone, and a full unpickler would run any code a
@@ -13,18 +28,27 @@ crafted file names. Loading refuses anything else with one line.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import pickle
 import random
 import re
+import shlex
 import shutil
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dspark.errors import CheckpointError, InputError
+from dspark.files import file_xxh3
+from dspark.jsonio import dump_json
 
 
 def rng_state() -> dict:
@@ -67,7 +91,184 @@ def _write_failure(e: BaseException) -> tuple[str, bool]:
     m = re.search(r"(?:I/O error: )?([^:]*) \(os error (\d+)\)", text)
     if m:
         return m.group(1).strip(), int(m.group(2)) == errno.ENOSPC
-    return (text.splitlines() or [type(e).__name__])[0], False
+    return first_line(e), False
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator:
+    """A new binary file that replaces `path` once written whole: a reader sees the old file or the new one,
+    never half of one, and a symlink at `path` is itself replaced, never written through."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a killed process that had this pid
+    try:
+        with open(tmp, "xb") as f:  # "x" (O_CREAT | O_EXCL) makes a new file: it never opens a symlink's target
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    with replacing(path) as f:
+        f.write(text.encode())
+
+
+def copy_atomic(src: Path, dst: Path) -> None:
+    with open(src, "rb") as s, replacing(dst) as d:
+        shutil.copyfileobj(s, d, 1 << 20)
+
+
+class RunLock:
+    """The exclusive OS lock (flock) on RUN/.lock, held until `release()` or the end of the process."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(self.fd, 4096, 0)
+            self.release()
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise CheckpointError(f"cannot lock run folder {root}: {e.strerror}",
+                                      "put the run on a filesystem that supports file locks (flock)") from None
+            raise CheckpointError(f"run folder {root} is in use by {_holder(holder)}",
+                                  "wait for it to finish or stop it (its lock goes with it, even on kill -9), "
+                                  "or use another --save-path") from None
+        # Who holds it, for the line a refused process prints.
+        command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+              "command": command if len(command) <= 160 else command[:159] + "…"}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(me).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the file drops the lock
+            self.fd = None
+
+
+def _holder(text: bytes) -> str:
+    try:
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
+    except (ValueError, KeyError, TypeError):  # it has locked but not yet said who it is
+        return "another process"
+
+
+CHECKSUMS = "checksums.json"
+SMALL_FILE = 1 << 20  # config.json, checksums.json: far smaller; a larger one is damage, not read whole
+
+
+def write_checksums(folder: Path) -> None:
+    """Every file's size and checksum; written last, inside the temp folder a save renames into place whole."""
+    files = {p.name: {"size": p.stat().st_size, "xxh3_128": file_xxh3(p)} for p in sorted(folder.iterdir()) if p.is_file()}
+    (folder / CHECKSUMS).write_text(json.dumps({"files": files}, indent=1))
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def damaged(ckpt: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {ckpt} is damaged: {what}",
+                           "restore it from a copy or use another checkpoint; a resumed run needs it deleted: "
+                           "training then continues from the newest intact checkpoint")
+
+
+def _small_json(ckpt: Path, name: str):
+    path = ckpt / name
+    if not path.is_file() or path.stat().st_size > SMALL_FILE:
+        raise damaged(ckpt, f"{name} is not a file of at most {SMALL_FILE} bytes")
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as e:
+        raise damaged(ckpt, f"{name} is not JSON ({first_line(e)})") from None
+
+
+def read_config(ckpt: Path) -> dict:
+    """The checkpoint's config.json, checked to hold what export and eval read of it."""
+    config = _small_json(ckpt, "config.json")
+    try:
+        spec = config["speculators_config"]
+        ok = isinstance(spec["verifier"], dict) and isinstance(spec["proposal_methods"][0]["speculative_tokens"], int)
+    except (KeyError, IndexError, TypeError):
+        ok = False
+    if not ok:
+        raise damaged(ckpt, "config.json is not a speculators drafter config (no speculators_config with a "
+                            "verifier and a proposal method's speculative_tokens)")
+    return config
+
+
+def weight_names(ckpt: Path) -> set[str]:
+    """The tensors in model.safetensors; safetensors checks that its header covers the file exactly, so a
+    truncated or padded file fails here."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(ckpt / "model.safetensors", framework="pt") as f:
+            return set(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise damaged(ckpt, f"model.safetensors is not a whole safetensors file ({first_line(e)})") from None
+
+
+def check_weight_names(model, names: set[str], ckpt: Path) -> None:
+    """`names` (a checkpoint's tensors) must be every tensor `model` saves, and nothing else: a load that lacks
+    some leaves them at their initial values without a word (a resume that silently diverges)."""
+    own = set(model.state_dict())
+    borrowed = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # the verifier's: never saved
+    missing, unexpected = sorted(own - borrowed - names), sorted(names - own)
+    problems = [f"lacks {len(missing)} tensors of this drafter ({_few(missing)})"] if missing else []
+    if unexpected:
+        problems.append(f"holds {len(unexpected)} tensors this drafter does not have ({_few(unexpected)})")
+    if problems:
+        raise damaged(ckpt, "model.safetensors " + " and ".join(problems))
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def load_weights(model, ckpt: Path, device: torch.device) -> None:
+    """`ckpt`'s model.safetensors into `model`: every tensor it saves, each of its shape (or one line)."""
+    from safetensors.torch import load_file
+
+    check_weight_names(model, weight_names(ckpt), ckpt)
+    try:  # not strict: the verifier's borrowed tensors are not in the file (check_weight_names knows them)
+        model.load_state_dict(load_file(ckpt / "model.safetensors", device=str(device)), strict=False)
+    except RuntimeError as e:  # torch lists each tensor whose shape differs, one a line
+        lines = [line.strip() for line in str(e).splitlines() if "size mismatch" in line] or [first_line(e)]
+        raise damaged(ckpt, f"model.safetensors does not fit this drafter ({lines[0]})") from None
+
+
+def verify_checkpoint(ckpt: Path) -> bool:
+    """Check `ckpt`'s files against its checksums.json (sizes first, so a file swapped for a device is not
+    read), or raise one line naming the first that differs. Without checksums.json (a checkpoint of an
+    earlier dspark, or an export) check what the files allow: config.json and the safetensors structure.
+    Returns whether the checksums were there."""
+    if not (ckpt / CHECKSUMS).exists():
+        read_config(ckpt)
+        weight_names(ckpt)
+        return False
+    try:
+        files = [(name, int(f["size"]), str(f["xxh3_128"]))
+                 for name, f in _small_json(ckpt, CHECKSUMS)["files"].items() if Path(name).name == name]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise damaged(ckpt, f"{CHECKSUMS} does not list files with their size and xxh3_128") from None
+    for name, size, digest in files:
+        path = ckpt / name
+        if not path.is_file():
+            raise damaged(ckpt, f"{name} is missing (or not a regular file)")
+        if path.stat().st_size != size:
+            raise damaged(ckpt, f"{name} is {path.stat().st_size} bytes, {size} when saved")
+        if file_xxh3(path) != digest:
+            raise damaged(ckpt, f"{name} differs from what was saved (its checksum)")
+    return True
+
+
+def unverified_note(ckpt: Path) -> str:
+    return f"note: {ckpt} has no {CHECKSUMS} (saved by an earlier dspark): its files are not verified"
 
 
 class RunDir:
@@ -80,14 +281,49 @@ class RunDir:
         link = self.root / which
         return link.resolve() if link.exists() else None
 
+    def lock(self) -> RunLock:
+        """One writer per run folder: a second one is refused, naming this one."""
+        return RunLock(self.root)
+
+    def saved(self) -> list[Path]:
+        """This run's checkpoints, oldest first: the step-N folders a save renamed into place (never a .tmp)."""
+        folder = self.root / "checkpoints"
+        steps = [p for p in folder.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and p.is_dir()]
+        return sorted(steps, key=lambda p: int(p.name[len("step-"):]))
+
+    def resume_point(self, repair: bool) -> tuple[Path | None, list[str]]:
+        """The checkpoint a rerun continues from (None: a fresh start), verified, and notes to print.
+
+        It is the newest checkpoint of this run, wherever `latest` points: a lost or dangling `latest`, or a
+        kill between a checkpoint's rename and the move of `latest`, then neither restarts the run over its
+        checkpoints nor skips one; `repair` (the one process that writes) moves `latest` to it. A `latest`
+        naming another run's checkpoint is refused: it would mix two runs.
+        """
+        link = self.root / "latest"
+        pointed = link.resolve() if link.is_symlink() or link.exists() else None
+        if pointed is not None and pointed.parent != (self.root / "checkpoints").resolve():
+            raise CheckpointError(f"{link} points outside this run, at {pointed}",
+                                  f"point it at a checkpoint of this run (`ln -sfn checkpoints/step-N {link}`) or "
+                                  "delete it: training then resumes from the newest checkpoint of this run")
+        saved = self.saved()
+        if not saved:
+            return None, []
+        newest = saved[-1]
+        notes = [] if verify_checkpoint(newest) else [unverified_note(newest)]
+        if pointed != newest.resolve():
+            why = ("is missing" if pointed is None else f"points at {pointed.name}, which does not exist"
+                   if not pointed.exists() else f"points at {pointed.name}, older (a save was cut short)")
+            notes.append(f"{link} {why}: resuming from {newest.name}, the newest checkpoint of this run")
+            if repair:
+                self._point("latest", newest)
+        return newest, notes
+
     def record(self) -> dict | None:
         return json.loads(self.config_path.read_text()) if self.config_path.exists() else None
 
     def write_record(self, record: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.config_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2, default=str))
-        tmp.replace(self.config_path)
+        write_atomic(self.config_path, dump_json(record, indent=2, default=str))
 
     def _point(self, name: str, target: Path) -> None:
         tmp = self.root / f".{name}.tmp"
@@ -98,17 +334,21 @@ class RunDir:
     def save(self, step: int, model, trainer_state: dict, best: bool) -> Path:
         """Write the checkpoint to a temp folder, rename it in place, then move `latest` (and `best`).
 
-        A failed write (a full disk) removes the temp folder and leaves `latest` where it was.
+        A failed write (a full disk) removes the temp folder and leaves `latest` where it was. An existing
+        checkpoint is never replaced: readers rely on it, and a resume continues past the newest one.
         """
         final = self.root / "checkpoints" / f"step-{step:06d}"
         tmp = final.with_name(final.name + ".tmp")
+        if final.exists():
+            raise CheckpointError(f"checkpoint {final} already exists, and a run never overwrites its checkpoints",
+                                  "rerun the same command: training resumes from the newest checkpoint of the run")
         try:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             model.save_pretrained(tmp)
             with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: ENOSPC stays visible as the cause
                 torch.save(trainer_state, f)
-            shutil.rmtree(final, ignore_errors=True)
+            write_checksums(tmp)
             os.replace(tmp, final)
             self._point("latest", final)
             if best:
@@ -126,11 +366,16 @@ class RunDir:
 
 
 def require_checkpoint(path: str | Path) -> Path:
-    """A speculators-format checkpoint folder, resolved (follows `latest`/`best`), or a clear error."""
+    """A speculators-format checkpoint folder, resolved (follows `latest`/`best`) and verified, or one line."""
     ckpt = Path(path).resolve()
+    if ckpt.name.endswith(".tmp"):
+        raise InputError(f"{path} is a checkpoint still being written, or left by a save cut short",
+                         "pass a checkpoint folder, e.g. RUN/latest or RUN/best")
     if not (ckpt / "config.json").exists() or not (ckpt / "model.safetensors").exists():
         raise InputError(f"{path} is not a checkpoint (config.json + model.safetensors)",
                          "pass a checkpoint folder, e.g. RUN/latest or RUN/best")
+    if not verify_checkpoint(ckpt) and (ckpt / "trainer_state.pt").exists():  # an export has no checksums, by design
+        print(unverified_note(ckpt), file=sys.stderr)
     return ckpt
 
 
@@ -154,10 +399,7 @@ def load_trainer_state(ckpt: Path) -> dict:
         m = re.search(r"GLOBAL (\S+)", str(e))
         what = f"it names {m.group(1)}, which loading would import and call" if m else "it holds more than tensors"
         raise CheckpointError(f"{path} is not a safe checkpoint: {what}",
-                              f"do not resume from a run folder you did not write; delete {ckpt} and point "
-                              f"{ckpt.parent.parent}/latest at an earlier checkpoint, or use a new --save-path"
-                              ) from None
+                              f"do not resume from a run folder you did not write; delete {ckpt} (training then "
+                              "resumes from the newest checkpoint before it), or use a new --save-path") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path} is damaged: {(str(e).splitlines() or [type(e).__name__])[0]}",
-                              f"delete {ckpt} and point {ckpt.parent.parent}/latest at an earlier checkpoint, "
-                              "or use a new --save-path") from None
+        raise damaged(ckpt, f"trainer_state.pt: {first_line(e)}") from None

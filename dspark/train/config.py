@@ -32,6 +32,8 @@ class TrainConfig:
         None, "Zarr store (--from zarr) or the local cache a live run fills (--from mooncake); default: "
               "cache/stores/<verifier>-L<layers>-<data>, where `dspark extract` puts it.", flags=("--store", "--cache"))
     trust_remote_code: bool = setting(False, negatable=False)
+    accept_other_weights: bool = setting(
+        False, "Train on a store extracted with a verifier of other weights (same config) knowingly.", negatable=False)
     draft_config: str | None = setting(None, "JSON file with the draft decoder layer config.")
     num_layers: int = setting(1, "Draft decoder layers.", ge=1)
     draft_vocab_size: int | None = setting(None, "Reduced draft vocabulary (from prepare's token frequencies).", ge=1)

@@ -9,6 +9,11 @@ Every sample read is checked against its checksum (by the source). A damaged one
 is never trained on: `on_damaged="skip"` drops it from its batch, warns once, and
 names every skipped id at the end (`damaged_report`); `"raise"` stops the run.
 
+Every sample a pass could not read (damaged, or a live source that was down) is
+recorded by pass (`skipped`: "train epoch 0", "validation at epoch 0 batch 6") as the
+trainer takes its batch; a replay, whose store holds what the live run fetched later,
+leaves out the same ones (`reproduce`) and so trains on exactly what the run did.
+
 A fixed store whose decoded samples all fit `keep_bytes` is kept in memory as it is
 read: epochs after the first, and every validation, read and decode nothing.
 """
@@ -55,6 +60,8 @@ class TrainData:
         self.repair = repair_command(source.location, str(prepared.path), verifier)
         self.damaged: dict[int, str] = {}  # skipped sample id -> what is wrong with it
         self._damaged_lock = threading.Lock()
+        self.skipped: dict[str, list[int]] = {}  # pass -> ids it trained without (the run records it)
+        self.leave_out: dict[str, set[int]] = {}  # pass -> ids a replay leaves out unread (`reproduce`)
         self.total_seq_len, self.seed = total_seq_len, seed
         self.num_targets = len(m.target_layer_ids)
         # Samples read so far, when all of them fit keep_bytes (a live source's are never kept: its
@@ -91,6 +98,10 @@ class TrainData:
             if first:
                 log.warning("%s: skipped (--on-damaged skip); every skipped sample is named at the end", e.what)
             return None
+
+    def reproduce(self, skipped: dict[str, list[int]]) -> None:
+        """Leave out, unread, what a recorded run skipped (its `skipped`), pass by pass."""
+        self.leave_out = {where: set(ids) for where, ids in skipped.items()}
 
     def holds(self, ids: list[int]) -> bool:
         """Whether these samples are in memory (reading them costs nothing)."""
@@ -180,26 +191,47 @@ class Loader:
     A batch left empty (every sample skipped) is dropped, or yielded as None with
     `keep_empty` (the training loop counts it to keep its data position exact).
     `wait_seconds` counts the time the training loop spent blocked on data.
+    A batch that came back empty is read once more if its source says waiting helped
+    (`Source.wait_for_recovery`: a live source that was down); a source held in memory never does.
+    With `where` (the pass, e.g. "train epoch 0"), the samples skipped from each batch are
+    recorded in `data.skipped` when the caller takes the batch (not when read ahead, so a
+    checkpoint records exactly the batches trained), and that pass's `data.leave_out` are
+    left out unread.
     """
 
     READ_AHEAD_BATCHES = 2  # batches whose sample reads are in flight beside the one being collated
 
     def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4,
-                 keep_empty: bool = False):
+                 keep_empty: bool = False, where: str | None = None):
         self.data, self.batches = data, batches
         self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
         self.keep_empty = keep_empty
+        self.where = where
+        self._leave_out = data.leave_out.get(where, set()) if where else set()
         self.wait_seconds = 0.0
 
     def __len__(self) -> int:
         return len(self.batches)
 
+    def _read(self, sample_id: int) -> Sample | None:
+        return None if sample_id in self._leave_out else self.data.read(sample_id)
+
+    def _collate(self, batch: list[int], samples: list[Sample | None]) -> tuple[dict | None, list[int]]:
+        """(the collated batch or None, the ids skipped from it)."""
+        return self.data.collate(samples), [i for i, s in zip(batch, samples) if s is None]
+
+    def _taken(self, item: dict | None, skipped: list[int]) -> bool:
+        """The caller takes this batch: record its skipped ids; whether to yield it."""
+        if skipped and self.where:
+            self.data.skipped.setdefault(self.where, []).extend(skipped)
+        return item is not None or self.keep_empty
+
     def _in_memory(self):
         for b in self.batches:
             start = time.perf_counter()
-            item = self.data.collate([self.data.read(i) for i in b])
+            item, skipped = self._collate(b, [self._read(i) for i in b])
             self.wait_seconds += time.perf_counter() - start
-            if item is not None or self.keep_empty:
+            if self._taken(item, skipped):
                 yield item
 
     def __iter__(self):
@@ -215,22 +247,20 @@ class Loader:
                 with ThreadPoolExecutor(self.num_workers, initializer=_one_torch_thread) as pool:  # started lazily
                     # The reads of the next batches stay in flight while this one is collated and queued:
                     # reading batch by batch left the readers idle through every collate.
-                    ahead: deque[list[Future]] = deque()
+                    ahead: deque[tuple[list[int], list[Future]]] = deque()
                     batches = iter(self.batches)
 
                     def read_ahead():
                         while len(ahead) < self.READ_AHEAD_BATCHES and (b := next(batches, None)) is not None:
-                            ahead.append([pool.submit(self.data.read, i) for i in b])
+                            ahead.append((b, [pool.submit(self._read, i) for i in b]))
 
                     read_ahead()
                     while ahead:
-                        reads = ahead.popleft()
+                        b, reads = ahead.popleft()
                         read_ahead()
-                        item = self.data.collate([f.result() for f in reads])
-                        if item is None:
-                            if not self.keep_empty:
-                                continue
-                            item = _EMPTY
+                        item = self._collate(b, [f.result() for f in reads])  # (batch or None, skipped ids)
+                        if item[0] is None and set(b) - self._leave_out and self.data.source.wait_for_recovery(stop):
+                            item = self._collate(b, list(pool.map(self._read, b)))  # the source is back: once more
                         while not stop.is_set():
                             try:
                                 q.put(item, timeout=0.1)
@@ -238,7 +268,7 @@ class Loader:
                             except queue.Full:
                                 continue
                         if stop.is_set():
-                            for f in (f for reads in ahead for f in reads):
+                            for f in (f for _, reads in ahead for f in reads):
                                 f.cancel()
                             return
             except BaseException as e:  # hand the failure to the consumer, which re-raises it
@@ -257,7 +287,8 @@ class Loader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                yield None if item is _EMPTY else item
+                if self._taken(*item):
+                    yield item[0]
         finally:
             stop.set()
             t.join()  # no reads (or live write-throughs) may outlive the loop that asked for them
@@ -271,5 +302,3 @@ def _one_torch_thread() -> None:
     """
     torch.set_num_threads(1)
 
-
-_EMPTY = object()  # a batch whose samples were all skipped (None on the queue means "done")

@@ -26,11 +26,11 @@ import numpy as np
 import torch
 
 from dspark.connector.base import SOURCES, Source
-from dspark.connector.manifest import default_store, manifest_for_model
-from dspark.errors import InputError, StoreError, StoreMismatch
+from dspark.connector.manifest import default_store, manifest_for_model, require_same_weights
+from dspark.errors import DsparkError, InputError, StoreError, StoreMismatch
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
-from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
+from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rng_state, set_rng_state
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
@@ -99,6 +99,9 @@ def check_store(source, cfg: TrainConfig) -> None:
     if problems:
         raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: "
                             + "; ".join(problems), "train with the verifier and layer ids the store was extracted with")
+    if require_same_weights(m, cfg.store, cfg.verifier_name_or_path, cfg.accept_other_weights):
+        print(f"warning: store {cfg.store} was extracted with other verifier weights than {cfg.verifier_name_or_path}; "
+              "training on it anyway (--accept-other-weights, recorded in the run's config)", file=sys.stderr)
 
 
 def cfg_is_fixed_store(cfg: TrainConfig) -> bool:
@@ -120,6 +123,17 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, force: bool = False, progress: bool = True):
         self.cfg = cfg.validate()
         self.dist = setup_distributed("cuda" if cfg.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
+        self.run = RunDir(cfg.save_path)
+        # One writer per run folder, taken before anything loads and held to the end of fit(): a second
+        # train on it is refused at once, naming this one.
+        self.lock = self.run.lock() if self.dist.main else None
+        try:
+            self._setup(cfg, force, progress)
+        except BaseException:
+            self.unlock()
+            raise
+
+    def _setup(self, cfg: TrainConfig, force: bool, progress: bool) -> None:
         self.device = pick_device(cfg.device, self.dist.local_rank)
         self.progress = progress and self.dist.main
         seed_everything(cfg.seed)
@@ -138,7 +152,6 @@ class Trainer:
             raise InputError("no training batches", "use more data or fewer processes")
         self.opts = build_optimizers(self.model, cfg)
         self.scheds = build_schedulers(self.opts, cfg, self.total_steps)
-        self.run = RunDir(cfg.save_path)
         self.state = {"epoch": 0, "batch": 0, "step": 0, "best_val_loss": math.inf}
         # Metric sums since the last log point; checkpointed, so a resume between log points
         # logs the same window an uninterrupted run does.
@@ -156,6 +169,15 @@ class Trainer:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 find_unused_parameters=True)
+
+    def unlock(self) -> None:
+        """Let go of the run folder (fit() does, however it ends)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def _pass(self, name: str) -> str:
+        """A data pass's name in the record of skipped samples; each rank skips on its own."""
+        return name if self.dist.world == 1 else f"{name} rank {self.dist.rank}"
 
     def _my_batches(self, batches: list) -> list:
         """This rank's share; every rank gets the same count so collectives line up."""
@@ -178,15 +200,13 @@ class Trainer:
             if cfg_is_fixed_store(self.cfg) and rec["store_fingerprint"] != self.source.fingerprint() and not force:
                 raise StoreMismatch(f"the store changed since run {self.run.root} started",
                                     "resume against the original store, or pass --force")
-        ckpt = self.run.checkpoint("latest")
+        ckpt, notes = self.run.resume_point(repair=self.dist.main)
         if ckpt is None:
             if self.dist.main:
                 self.run.write_record(self._record())
                 self.run.metrics_path.unlink(missing_ok=True)
             return
-        from safetensors.torch import load_file
-
-        self.model.load_state_dict(load_file(ckpt / "model.safetensors", device=str(self.device)), strict=False)
+        load_weights(self.model, ckpt, self.device)
         st = load_trainer_state(ckpt)
         for o, s in zip(self.opts, st["optimizers"]):
             o.load_state_dict(s)
@@ -194,8 +214,11 @@ class Trainer:
             sch.load_state_dict(s)
         set_rng_state(st["rng"][self.dist.rank])
         self.window = dict(st.get("windows", [{}] * self.dist.world)[self.dist.rank])
+        self.data.skipped = st.get("skipped", [{}] * self.dist.world)[self.dist.rank]
         self.state = st["state"]
         if self.dist.main:  # always said: a resume is never silent
+            for note in notes:
+                print(note, file=sys.stderr)
             print(f"resuming {self.run.root} from {ckpt.name} (epoch {self.state['epoch']}, "
                   f"step {self.state['step']})", file=sys.stderr)
 
@@ -210,6 +233,10 @@ class Trainer:
             _, loss, metrics = self.wrapped(**_to_device(batch, self.device), **self.loss_kw)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
+        # Checked before the optimizer moves a weight: one NaN or infinite step makes every weight, and every
+        # later checkpoint, NaN. A CPU-GPU sync point, as accumulate() already is at every step.
+        if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+            raise self._diverged(loss, grad_norm)
         for o in self.opts:
             o.step()
             o.zero_grad(set_to_none=True)
@@ -217,6 +244,14 @@ class Trainer:
             s.step()
         metrics["grad_norm_sum"], metrics["grad_norm_total"] = grad_norm.detach(), torch.ones(())
         return metrics
+
+    def _diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> DsparkError:
+        what = f"the loss is {loss.item()}" if not torch.isfinite(loss) else f"the gradient norm is {grad_norm.item()}"
+        kept = (self.run.saved() or [None])[-1]  # what a rerun resumes from
+        return DsparkError(f"training diverged at step {self.state['step'] + 1} (epoch {self.state['epoch']}): {what}; "
+                           + (f"the last good checkpoint {kept} is kept" if kept else "no checkpoint was saved yet"),
+                           "lower --lr or --max-grad-norm (or check the data of that step), then rerun with --force: "
+                           + ("training resumes from that checkpoint" if kept else "training starts over"))
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -226,8 +261,9 @@ class Trainer:
         acc: dict[str, float] = {}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.seed)
+            where = self._pass(f"validation at epoch {self.state['epoch']} batch {self.state['batch']}")
             for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
-                                self.cfg.num_workers, self.cfg.prefetch_factor):
+                                self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
                 with self._autocast():
                     _, _, metrics = self.model(**_to_device(batch, self.device), **self.loss_kw)
                 accumulate(acc, metrics)
@@ -236,11 +272,11 @@ class Trainer:
 
     def checkpoint(self, validate: bool = True) -> None:
         """Validate (unless stopping at --max-steps: the uninterrupted run logs no val record there) and save."""
-        val = self.validate() if validate else None
+        val = (self.validate() if validate else None) or None  # {}: every validation sample was skipped
         best = val is not None and val["loss"] < self.state["best_val_loss"]
         if best:
             self.state["best_val_loss"] = val["loss"]
-        ranks = [(rng_state(), dict(self.window))]  # per rank: its RNG and its unreduced window
+        ranks = [(rng_state(), dict(self.window), self.data.skipped)]  # per rank: RNG, unreduced window, skips
         if self.dist.world > 1:
             import torch.distributed as dist
 
@@ -248,13 +284,15 @@ class Trainer:
             dist.all_gather_object(ranks, mine)
         start = time.perf_counter()
         if self.dist.main:
-            if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on
-                self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint()})
+            if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on, and what it skipped
+                self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint(),
+                                       "skipped": {k: v for _, _, s in ranks for k, v in s.items()}})
             if val is not None:
                 self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val",
                                 "metrics": val})
             self.run.save(self.state["step"], self.model, {
-                "state": dict(self.state), "rng": [r for r, _ in ranks], "windows": [w for _, w in ranks],
+                "state": dict(self.state), "rng": [r for r, _, _ in ranks], "windows": [w for _, w, _ in ranks],
+                "skipped": [s for _, _, s in ranks],
                 "optimizers": [o.state_dict() for o in self.opts],
                 "schedulers": [s.state_dict() for s in self.scheds]}, best)
         self.timing["save_s"].append(time.perf_counter() - start)
@@ -264,6 +302,13 @@ class Trainer:
 
     # --- the loop --------------------------------------------------------------
     def fit(self) -> dict:
+        """Train to the end (or --max-steps), then let go of the run folder, as on any error."""
+        try:
+            return self._fit()
+        finally:
+            self.unlock()
+
+    def _fit(self) -> dict:
         from tqdm import tqdm
 
         cfg, st = self.cfg, self.state
@@ -277,7 +322,8 @@ class Trainer:
             batches = self.epoch_plan[st["epoch"]]
             every = max(1, round(cfg.checkpoint_freq * len(batches)))
             # keep_empty: a batch whose samples were all skipped still moves the data position
-            loader = Loader(self.data, batches[st["batch"]:], cfg.num_workers, cfg.prefetch_factor, keep_empty=True)
+            loader = Loader(self.data, batches[st["batch"]:], cfg.num_workers, cfg.prefetch_factor, keep_empty=True,
+                            where=self._pass(f"train epoch {st['epoch']}"))
             compute = 0.0
             for batch in loader:
                 stepped = batch is not None
@@ -306,11 +352,15 @@ class Trainer:
                         self.log.write(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
                     self.window = {}
+                # Checkpoints are named by their step: a stretch of batches all skipped (a live source that was
+                # down) trained nothing since the last one, so there is nothing new to validate or save.
+                due = st["step"] != self.saved_step
                 if st["batch"] == len(batches):
                     st["epoch"] += 1
                     st["batch"] = 0
-                    self.checkpoint()
-                elif st["batch"] % every == 0:
+                    if due:
+                        self.checkpoint()
+                elif st["batch"] % every == 0 and due:
                     self.checkpoint()
                 if st["step"] >= stop_at:
                     break
@@ -330,4 +380,5 @@ class Trainer:
                 "best_val_loss": best if math.isfinite(best) else None,  # null: no validation yet
                 "latest": str(latest) if latest else None,
                 **({"live": self.source.stats} if self.source.stats else {}),
-                **({"damaged_skipped": sorted(self.data.damaged)} if self.data.damaged else {})}
+                **({"damaged_skipped": sorted(self.data.damaged)} if self.data.damaged else {}),
+                **({"skipped": self.data.skipped} if self.data.skipped else {})}

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 
 from dspark.errors import CheckpointError, InputError
+from dspark.jsonio import dump_json
+from dspark.train.checkpoint import write_atomic
 
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:
@@ -60,15 +62,13 @@ class MetricLog:
         """
         records, torn = self._parse(drop_torn_tail=True)
         keep = [r for r in records if r["step"] <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(dump_json(r) + "\n" for r in keep))
         return torn
 
     def write(self, record: dict) -> None:
         try:
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(dump_json(record) + "\n")
         except OSError as e:  # a full disk: at worst a torn last line, which a resume drops
             raise CheckpointError(f"could not append to {self.path}: {e.strerror or e}",
                                   "free disk space and rerun the same command: training resumes from its "
