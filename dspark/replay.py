@@ -5,6 +5,10 @@ fingerprint. A replay refuses a store whose fingerprint differs (the result
 would differ for a known reason), retrains into RUN/replays/<n>, and compares
 each logged record's metrics: exactly by default (on CPU a replay is bit for
 bit), or within --tolerance for GPU runs.
+
+A live run records the samples it skipped, pass by pass (its source was down); its
+cache, which the replay reads, holds them when they were fetched later, so the replay
+leaves the same ones out where the run did, and says so.
 """
 
 from __future__ import annotations
@@ -58,9 +62,34 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
     n = len(list((rd.root / "replays").glob("*"))) if (rd.root / "replays").exists() else 0
     out = rd.root / "replays" / f"{n:03d}"
     cfg = replace(cfg, save_path=str(out), max_steps=max(r["step"] for r in recorded))
-    Trainer(cfg, progress=progress).fit()
+    skipped = rec.get("skipped") or {}
+    trainer = Trainer(cfg, progress=progress)
+    trainer.data.reproduce(skipped)
+    trainer.fit()
     replayed = MetricLog(out / "metrics.jsonl", tensorboard=False).read()
     where = first_divergence(recorded, replayed, tolerance)
+    note = _skips_note(rec, recorded)
+    if where and note:  # a DIVERGED line that says what the replay knew about the difference
+        where = f"{where}; {note}"
     return {"run": str(rd.root), "replay": str(out), "records": len(recorded),
             "metrics_compared": sum(len(r["metrics"]) for r in recorded[: len(replayed)]),
-            "reproduced": where is None, "first_divergence": where}
+            "reproduced": where is None, "first_divergence": where,
+            **({"skipped": skipped} if skipped else {}), **({"note": note} if note else {})}
+
+
+def _skips_note(rec: dict, recorded: list[dict]) -> str | None:
+    """What the replay did about samples the run could not read, or why it could not."""
+    if "skipped" in rec:
+        n = sum(map(len, rec["skipped"].values()))
+        if not n:
+            return None
+        passes = "; ".join(f"{where}: {', '.join(map(str, ids[:10]))}{', ...' if len(ids) > 10 else ''}"
+                           for where, ids in rec["skipped"].items())
+        return (f"the run skipped {n} sample{'s' * (n != 1)} it could not read ({passes}); "
+                "the replay left the same ones out")
+    live_skips = max((r.get("live", {}).get("skipped", 0) for r in recorded), default=0)
+    if live_skips:  # a run from before skips were recorded
+        return (f"the run skipped samples its live source could not deliver ({live_skips} skipped reads in its "
+                "metrics log) without recording which; the replay read them from the cache, so it differs from "
+                "where the first was skipped")
+    return None

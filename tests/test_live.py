@@ -1,11 +1,13 @@
 """The live path against a real mooncake_master on loopback and a real `dspark serve`."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 
 from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
 from dspark.connector.base import SOURCES, Sample
-from dspark.connector.live import LiveConfig
+from dspark.connector.live import LiveConfig, LiveSourceDown
 from dspark.connector.manifest import StoreManifest, manifest_for_model
 from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
                                        MooncakeUnavailable, connect, master_binary, object_key, pack,
@@ -68,9 +70,9 @@ def master(tmp_path):
 VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 
-def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25):
+def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25, port=None):
     """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
-    port = free_port()
+    port = port or free_port()
     common = ["--port", str(port), "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
               "--target-layer-ids", *map(str, LAYERS)]
     if engine == "serve":
@@ -107,7 +109,7 @@ def small_cfg(mb: float = 256) -> MooncakeConfig:
 
 
 LIVE_KEYS = {"on_missing", "on_generate", "request_timeout", "max_retries", "generation_validation_retries",
-             "max_consecutive_generation_failures"}
+             "max_consecutive_generation_failures", "stall_timeout", "max_down_seconds"}
 
 
 def live_cfg(store, prepared, verifier, save, master, endpoint=None, **kw):
@@ -133,21 +135,164 @@ def test_live_training_matches_zarr_training_and_caches_everything(tmp_path, ver
     assert "REPRODUCED" in out
 
 
+def live_source(cache, verifier, prepared, master, endpoint, **live):
+    """The trainer's live source in this process, mounting 64 MiB (a serve started with segment 0 puts there)."""
+    data = PreparedData(prepared)
+    cfg = LiveConfig(endpoint=endpoint, mooncake=replace(small_cfg(64), master=master), **live)
+    return data, SOURCES["mooncake"](store=cache, manifest=manifest_for_model(verifier, LAYERS, data.fingerprint),
+                                     prompts=data, live=cfg)
+
+
 def test_a_producer_that_mounts_no_memory_puts_into_the_trainers_at_once(tmp_path, verifier, prepared, master):
     """The trainer mounts its segment before its first request: otherwise that put had nowhere to go
     until a timeout (the first live read of a resumed Slurm job stalled for a minute)."""
     proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0)
     try:
-        data = PreparedData(prepared)
-        live = LiveConfig(endpoint=url, request_timeout=10, max_retries=0, mooncake=replace(small_cfg(64), master=master))
-        source = SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(verifier, LAYERS, data.fingerprint),
-                                     prompts=data, live=live)
+        data, source = live_source(tmp_path / "cache", verifier, prepared, master, url, request_timeout=10,
+                                   max_retries=0)
         sample = source.read(0)
         assert sample is not None and np.array_equal(sample.token_ids, data.token_ids(0))
         assert (source.stats["generated"], source.stats["requests"], source.stats["failures"]) == (1, 1, 0)
         source.close()
     finally:
         stop(proc, signal.SIGTERM)
+
+
+STALL = 2.0  # --stall-timeout of the hung-server tests
+SLACK = 3.0  # what a loaded 2-core machine may add to a bound
+
+
+@pytest.fixture
+def served_alone(tmp_path, verifier, prepared, master):
+    """A `dspark serve` process of its own that mounts no memory (its puts go to the trainer's segment, so
+    stopping or killing it loses nothing); resumed if a test left it stopped, then terminated."""
+    proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0)
+    yield proc, url
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)
+    stop(proc, signal.SIGTERM)
+
+
+def _warnings(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records if r.name == "dspark.live")
+
+
+def test_a_hung_server_degrades_the_live_source_within_the_stall_timeout_and_reads_resume_when_it_answers(
+        tmp_path, verifier, prepared, master, served_alone, caplog):
+    """SIGSTOP: the kernel still accepts the server's connections, so only a liveness check tells a hung
+    server from a slow one; a read must not wait out --request-timeout (and its retries) on it."""
+    proc, url = served_alone
+    caplog.set_level(logging.WARNING, "dspark.live")
+    _, source = live_source(tmp_path / "cache", verifier, prepared, master, url, request_timeout=60,
+                            stall_timeout=STALL)
+    try:
+        assert source.read(0) is not None
+        os.killpg(proc.pid, signal.SIGSTOP)
+        t = time.monotonic()
+        assert source.read(1) is None  # its request is in flight when the server hangs
+        assert time.monotonic() - t < STALL + SLACK
+        assert "live source degraded" in _warnings(caplog) and "liveness check" in _warnings(caplog)
+        asked = source.stats["requests"]
+        t = time.monotonic()
+        assert [source.read(i) for i in range(2, 10)] == [None] * 8  # while it is down, misses are skipped at once
+        assert time.monotonic() - t < 1.0 and source.stats["requests"] == asked
+        assert source.read(0) is not None  # cached samples keep training
+        os.killpg(proc.pid, signal.SIGCONT)
+        wait_for(lambda: source.read(10) is not None, STALL + SLACK, "live reads to resume")
+    finally:
+        source.close()
+    said = _warnings(caplog)
+    assert said.count("live source degraded") == 1 and "live source is back" in said
+    assert source.stats["skipped"] >= 9
+
+
+def test_a_dead_server_is_waited_out_for_max_down_seconds_so_a_restart_resumes_live_reads(
+        tmp_path, verifier, prepared, master, served_alone, caplog):
+    """Failing fast, a dead server used up a count of failures in seconds; the budget is time."""
+    proc, url = served_alone
+    caplog.set_level(logging.WARNING, "dspark.live")
+    _, source = live_source(tmp_path / "cache", verifier, prepared, master, url, max_retries=1,
+                            max_consecutive_generation_failures=8, max_down_seconds=120)
+    try:
+        assert source.read(0) is not None
+        stop(proc)  # SIGKILL: its connections are refused
+        t = time.monotonic()
+        assert [source.read(i) for i in range(1, 31)] == [None] * 30  # far more misses than 8
+        assert time.monotonic() - t < SLACK
+        restarted, _ = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0,
+                                       port=urllib.parse.urlsplit(url).port)
+        try:
+            wait_for(lambda: source.read(31) is not None, 1 + SLACK, "live reads to resume after the restart")
+        finally:
+            stop(restarted)
+    finally:
+        source.close()
+    said = _warnings(caplog)
+    assert said.count("live source degraded") == 1 and "live source is back" in said
+    # Down past --max-down-seconds, the run stops in one line that names the setting.
+    _, short = live_source(tmp_path / "cache2", verifier, prepared, master, url, max_down_seconds=STALL)
+    said = r"the live source has been down for 2 s, more than --max-down-seconds 2 \(the extraction server at "
+    try:
+        t = time.monotonic()
+        with pytest.raises(LiveSourceDown, match=said + r"http://127.0.0.1:\d+/v1 does not answer its liveness"):
+            for i in range(10_000):
+                short.read(i)
+                time.sleep(0.01)
+        assert STALL <= time.monotonic() - t < STALL + SLACK
+    finally:
+        short.close()
+
+
+def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_ones_out(
+        tmp_path, verifier, prepared, master, served_alone, caplog):
+    """The server hangs before the run starts and comes back once the run says so. The cache holds every
+    sample but one of the first batch (skipped: the batch trains on the rest) and the whole second batch
+    (no sample left: it waits for the server instead of being skipped). The skipped one is fetched in the
+    next epoch, so the cache the replay reads holds it: the replay reproduces the run only by leaving it
+    out where the run did."""
+    from dspark.replay import replay
+    from dspark.train.data import TrainData
+
+    proc, url = served_alone
+    c = live_cfg(tmp_path / "cache", prepared, verifier, tmp_path / "run", master, url, request_timeout=60,
+                 stall_timeout=STALL)
+    data, source = live_source(tmp_path / "cache", verifier, prepared, master, url)
+    first, second = TrainData(source, data, c.total_seq_len, c.train_data_ratio, c.seed).epoch_batches(0)[:2]
+    skip, wait = first[-1], set(second)
+    for i in set(range(len(data))) - {skip} - wait:
+        assert source.read(i) is not None
+    source.close()
+
+    class ResumeOnceDegraded(logging.Handler):
+        def emit(self, record):
+            if "live source degraded" in record.getMessage():
+                os.killpg(proc.pid, signal.SIGCONT)
+
+    caplog.set_level(logging.WARNING, "dspark.live")
+    handler = ResumeOnceDegraded()
+    logging.getLogger("dspark.live").addHandler(handler)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        fit(c)
+    finally:
+        logging.getLogger("dspark.live").removeHandler(handler)
+    assert _warnings(caplog).count("live source degraded") == 1
+    skipped = {"train epoch 0": [skip]}
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["skipped"] == skipped
+    assert len(ZarrStore(tmp_path / "cache")) == len(data)  # the skipped one was fetched in epoch 1
+    result = replay(str(tmp_path / "run"), progress=False)
+    assert result["reproduced"], result["first_divergence"]
+    assert result["skipped"] == skipped
+    assert result["note"] == (f"the run skipped 1 sample it could not read (train epoch 0: {skip}); the replay "
+                              "left the same ones out")
+    # A record without the list (a run from before it was kept): the replay reads the sample, and says why it differs.
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    del record["skipped"]
+    (tmp_path / "run" / "config.json").write_text(json.dumps(record))
+    result = replay(str(tmp_path / "run"), progress=False)
+    assert not result["reproduced"]
+    assert result["first_divergence"].startswith("record 0 (step 1, train): ")
+    assert "the run skipped samples its live source could not deliver" in result["first_divergence"]
 
 
 def test_producer_driven_tee_to_zarr_and_mooncake(tmp_path, verifier, prepared, master):
@@ -274,13 +419,14 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
     serve_proc, url = start_extractor(tmp_path, verifier, prepared, master, engine)
     try:
         train = _train_proc(tmp_path, verifier, prepared, master, url, request_timeout=3, max_retries=1,
-                            max_consecutive_generation_failures=3)
+                            max_consecutive_generation_failures=3, max_down_seconds=5)
         wait_for(lambda: _cached(tmp_path) >= 10 or train.poll() is not None, 180, "live samples in the cache")
         stop(master_proc) if victim == "master" else stop(serve_proc, signal.SIGTERM)
         out, err = train.communicate(timeout=300)
-        # Either it finished on what it had (training continued on the cache) or it stopped clearly.
-        assert train.returncode == 0 or (train.returncode == 2 and "consecutive live extraction failures" in err
-                                         and "Traceback" not in err), err[-2000:]
+        # Either it finished on what it had (training continued on the cache) or it stopped clearly: a server
+        # that is gone after --max-down-seconds, one whose requests fail (no master) after 3 failures.
+        stopped = "the live source has been down for" in err or "consecutive live extraction failures" in err
+        assert train.returncode == 0 or (train.returncode == 2 and stopped and "Traceback" not in err), err[-2000:]
         assert "live source degraded" in err
         assert run_cli("store", "verify", tmp_path / "cache", "--no-progress").returncode == 0
         # What other nodes reach the trainer at (multi-node runs set the node's name) is recorded.

@@ -219,6 +219,18 @@ def test_two_different_content_lengths_are_a_400(served):
     assert got == 400 and "is not one byte count" in reply["error"]["message"]
 
 
+def test_a_transfer_encoding_beside_a_content_length_is_a_400(served):
+    """HTTP/1.1 (RFC 9112 6.1): a proxy in front may frame the body by the one, this server by the other
+    (request smuggling); a body that is valid by its Content-Length must still be refused."""
+    _, port = served
+    data = request_bytes(json.dumps(good()).encode(), str(len(json.dumps(good()))))
+    for te in ("chunked", "gzip, chunked", "identity"):
+        got, reply, took = raw(port, data.replace(b"\r\n\r\n", f"\r\nTransfer-Encoding: {te}\r\n\r\n".encode(), 1))
+        assert (got, took < TIMEOUT) == (400, True), reply
+        assert "both Transfer-Encoding and Content-Length" in reply["error"]["message"]
+    assert_serves(port)
+
+
 def test_a_content_length_longer_than_the_body_is_a_408_after_the_client_timeout(served):
     _, port = served
     body = json.dumps(good()).encode()

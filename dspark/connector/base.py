@@ -28,11 +28,16 @@ Source lifecycle (shared by the loader's reader threads)
     live           False: every prepared sample must be present before training starts.
                    True: samples arrive as they are read (fetched, then cached).
     stats          counters worth logging ({} when there are none).
+    wait_for_recovery(stop)   called by a reader thread when a batch came back with no sample:
+                   blocks while the source cannot serve its misses yet (a live source that is
+                   down; past its own budget it raises) or until `stop` is set; True when reading
+                   the batch again may give samples. Default: False at once (waiting cannot help).
     close()        releases what the source holds; called exactly once.
 """
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -169,6 +174,10 @@ class Source(ABC):
     @property
     def stats(self) -> dict:
         return {}
+
+    def wait_for_recovery(self, stop: threading.Event) -> bool:
+        """Nothing to wait for by default: a sample it could not give now it cannot give later."""
+        return False
 
     def close(self) -> None:
         """Nothing held by default."""

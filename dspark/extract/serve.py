@@ -12,8 +12,8 @@ handle, so the reader fails at once.
 A bad client gets an answer and a bounded wait, never a hung thread (`ServeLimits`):
 - a prompt longer than `max_model_len` (default: the verifier's `max_position_embeddings`)
   is a 400 that never reaches the forward lock; token ids are ints, not booleans or floats;
-- the body is a JSON object with a true Content-Length: a missing one is a 411, a bad one a
-  400, one past `max_body_bytes` a 413, one that never arrives a 408;
+- the body is a JSON object with a true Content-Length: a missing one is a 411, a bad one (or
+  one beside a Transfer-Encoding) a 400, one past `max_body_bytes` a 413, one that never arrives a 408;
 - a connection has `client_timeout` seconds in all to send its request (one byte at a time
   does not stretch it), then gets a 408 and is closed; replies are written under the same
   timeout. One request per connection (HTTP/1.0), so that is also the time per request;
@@ -255,6 +255,11 @@ def make_server(service: ExtractionService, host: str, port: int) -> ThreadingHT
             if self.path != "/v1/completions":
                 return self._refuse(404, f"no route {self.path}")
             lengths = self.headers.get_all("Content-Length") or []
+            if lengths and self.headers.get("Transfer-Encoding") is not None:
+                # A proxy in front may frame the body by the one and this server by the other (request
+                # smuggling); HTTP/1.1 (RFC 9112 6.1) lets a server refuse the pair, and we do.
+                return self._refuse(400, "the request has both Transfer-Encoding and Content-Length; send only "
+                                         "a Content-Length")
             if not lengths:
                 return self._refuse(411, "send a Content-Length header (chunked bodies are not read)")
             length = lengths[0].strip()
