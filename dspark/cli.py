@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import sys
 from dataclasses import fields
@@ -11,11 +9,15 @@ from pathlib import Path
 
 import click
 
-from dspark.config import IntList, MooncakeConfig, ServeLimits, build, check_settings, config_file_option, nest, options
+from dspark.config import (FiniteFloatRange, IntList, MooncakeConfig, ServeLimits, build, check_settings,
+                           config_file_option, nest, options)
 from dspark.errors import DsparkError
+from dspark.jsonio import dump_json
 from dspark.train.config import TrainConfig
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+ACCEPT_OTHER_WEIGHTS = ("Write into a store extracted with a verifier of other weights (same config): its new "
+                        "segment records them, and `dspark store info` lists it.")
 
 
 class _Group(click.Group):
@@ -33,19 +35,8 @@ class _Group(click.Group):
             sys.exit(130)
 
 
-def _finite(obj):
-    """Strict JSON: a float that JSON cannot hold (inf, nan) prints as null."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
 def _echo_json(obj) -> None:
-    click.echo(json.dumps(_finite(obj), indent=2, default=str, allow_nan=False))
+    click.echo(dump_json(obj, indent=2, default=str))
 
 
 @click.group(cls=_Group, context_settings=CONTEXT)
@@ -129,6 +120,9 @@ def holdout(data, train_out, heldout_output, heldout, exclude, seed):
 @click.option("--strict", is_flag=True, help="Fail on the first conversation that would be dropped, naming its line.")
 @click.option("--skip-invalid-lines", is_flag=True,
               help="Skip and count malformed-JSON and non-UTF-8 lines instead of failing on the first.")
+@click.option("--template-timeout", type=FiniteFloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds the chat template may take to render one conversation (real ones take ms); longer "
+                   "is dropped as template_timeout (an error with --strict). 0: no limit.")
 def prepare(**kw):
     """Tokenize chat data with the model's template; mask all but assistant tokens.
 
@@ -203,6 +197,7 @@ def _pop_config(kw: dict, name: str, cls):
 @click.option("--shard", default="0/1", show_default=True, help="INDEX/COUNT: this writer's share of batches.")
 @click.option("--verifier-name", default=None, help="Name recorded in the manifest (default: folder name).")
 @click.option("--trust-remote-code", is_flag=True)
+@click.option("--accept-other-weights", is_flag=True, help=ACCEPT_OTHER_WEIGHTS)
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True,
               help="vllm engine: compute shared prompt prefixes once.")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
@@ -318,7 +313,7 @@ def launch_vllm(argv):
               "(default: the run's prepared data).")
 @click.option("--max-prompts", type=click.IntRange(min=1), default=20, show_default=True, help="Per prompt set.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0: greedy.")
+@click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True, help="0: greedy.")
 @click.option("--draft-sample", type=click.Choice(["probabilistic", "greedy"]), default="probabilistic",
               show_default=True, help="vLLM's draft_sample_method (temperature > 0).")
 @click.option("--rejection", type=click.Choice(["block", "standard"]), default="block", show_default=True,
@@ -327,7 +322,7 @@ def launch_vllm(argv):
               help="dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: as vLLM V1's "
                    "`method: dflash` would serve this checkpoint.")
 @click.option("--num-speculative-tokens", type=click.IntRange(min=1), default=None, help="dflash-v1 only.")
-@click.option("--confidence-threshold", type=click.FloatRange(0, 1, min_open=True), default=0.5, show_default=True,
+@click.option("--confidence-threshold", type=FiniteFloatRange(0, 1, min_open=True), default=0.5, show_default=True,
               help="Also decode with blocks cut where the confidence head's running survival falls below this.")
 @click.option("--no-confidence", is_flag=True, help="Skip the confidence-cut decode.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
@@ -378,7 +373,8 @@ def export_cmd(checkpoint, output, verifier_name, force):
 @main.command("replay")
 @click.argument("run")
 @click.option("--store", default=None, help="The run's store, if it moved.")
-@click.option("--tolerance", type=float, default=0.0, show_default=True, help="Relative/absolute (GPU runs).")
+@click.option("--tolerance", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
+              help="Relative/absolute (GPU runs).")
 @click.option("--no-progress", is_flag=True)
 def replay_cmd(run, store, tolerance, no_progress):
     """Retrain RUN from its record and prove every logged metric reproduces."""
@@ -472,8 +468,10 @@ def store_verify(path, data, no_progress):
               help="As the store's extraction used: the same batches give byte-identical states.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--trust-remote-code", is_flag=True)
+@click.option("--accept-other-weights", is_flag=True, help=ACCEPT_OTHER_WEIGHTS)
 @click.option("--no-progress", is_flag=True)
-def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code, no_progress):
+def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code, accept_other_weights,
+                 no_progress):
     """Re-extract exactly the damaged and missing samples (transformers engine) into a new segment.
 
     Healthy segments are not touched; reads take the new copies from then on.
@@ -481,7 +479,7 @@ def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_
     from dspark.extract.runner import run_repair
 
     _echo_json(run_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code,
-                          progress=not no_progress))
+                          progress=not no_progress, accept_other_weights=accept_other_weights))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -23,14 +24,18 @@ import click
 from dspark.errors import InputError
 
 SEP = "__"  # click parameter names: live__mooncake__master <-> cfg.live.mooncake.master
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB; a larger one is a mistake that would parse for minutes
 
 
 def setting(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (), cli: bool = True,
             factory: Any = MISSING, negatable: bool = True, ge: float | None = None, gt: float | None = None,
-            prefixed: bool = True):
-    """A config field with what its CLI option needs (help, flag names, or no option at all) and its bounds."""
+            prefixed: bool = True, allow_inf: bool = False):
+    """A config field with what its CLI option needs (help, flag names, or no option at all) and its bounds.
+
+    A float setting is finite: NaN never, infinity only where `allow_inf` says it means something.
+    """
     meta = {"help": help, "flags": flags, "cli": cli, "negatable": negatable, "ge": ge, "gt": gt,
-            "prefixed": prefixed}
+            "prefixed": prefixed, "allow_inf": allow_inf}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -68,11 +73,22 @@ class LiveConfig:
     on_missing: Literal["generate", "skip", "warn", "raise"] = setting(
         "generate", "A sample not in the cache: fetch it live, or skip/warn/fail.")
     on_generate: Literal["keep", "delete"] = setting("keep", "delete: free it from Mooncake once cached.")
-    request_timeout: float = setting(60.0, "Seconds per extraction request.", gt=0)
+    request_timeout: float = setting(60.0, "Seconds per extraction request (a busy vLLM may take long).", gt=0)
+    # A hung server (stopped, wedged) still accepts connections, so only a liveness check tells it from a slow one.
+    stall_timeout: float = setting(
+        10.0, "Seconds a hung extraction server may hold up live reads: a reply slower than half of it makes the "
+              "server answer GET /health within the other half, else the live source is down at once.", gt=0)
     max_retries: int = setting(3, "Retries of a failed request.", ge=0)
     generation_validation_retries: int = setting(
         2, "Requests again when the returned tokens or values are wrong.", ge=0)
-    max_consecutive_generation_failures: int = setting(8, "Then training stops with a clear error.", ge=1)
+    max_consecutive_generation_failures: int = setting(
+        8, "Failed requests in a row to a server that answers its liveness check, then training stops with a "
+           "clear error (a server that does not answer is waited for: --max-down-seconds).", ge=1)
+    # Time, not a count: a dead server fails in milliseconds, and a vLLM restart takes minutes.
+    max_down_seconds: float = setting(
+        600.0, "How long the extraction server may stay down (unreachable or hung) before the run stops; "
+               "meanwhile training continues on cached samples, and the skipped ones are named in the run record.",
+        gt=0)
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
 
 
@@ -143,6 +159,49 @@ class IntList(click.Option):
             raise click.BadParameter(f"expected integers, got {value!r}") from None
 
 
+def check_finite(flag: str, value, default=None, allow_inf: bool = False) -> None:
+    """NaN passes every `<`/`>` bound (it compares false) and infinity passes lower ones, so each number
+    setting refuses them by name, as one line: NaN always, infinity unless `allow_inf`."""
+    if isinstance(value, float) and not (math.isfinite(value) or allow_inf and math.isinf(value)):
+        kind = "a number" if allow_inf else "a finite number"
+        raise InputError(f"{flag} {value} must be {kind}",
+                         "pass a finite value" + ("" if default is None else f" (default {default})"))
+
+
+class _Finite:
+    """A click number type that refuses NaN and infinity before its own conversion and range checks.
+
+    It raises our one-line InputError naming the option, as `check_settings` does, rather than click's
+    usage block; the CLI's group catches it (parsing runs inside the group's invoke).
+    """
+
+    def __init__(self, *args, allow_inf: bool = False, **kw):
+        super().__init__(*args, **kw)
+        self.allow_inf = allow_inf
+
+    def convert(self, value, param, ctx):
+        try:
+            number = float(value)
+        except OverflowError:  # an int too large for a float (e.g. 1e400 written out in a config file)
+            number = math.inf
+        except (TypeError, ValueError):  # not a number at all: the base type says so
+            number = 0.0
+        check_finite(param.opts[0] if param else "value", number, param.default if param else None, self.allow_inf)
+        return super().convert(value, param, ctx)
+
+
+class FiniteFloat(_Finite, click.types.FloatParamType):
+    """A float option that is finite unless `allow_inf`."""
+
+
+class FiniteFloatRange(_Finite, click.FloatRange):
+    """A finite float option with click.FloatRange's bounds."""
+
+
+class FiniteInt(_Finite, click.types.IntParamType):
+    """An int option: `.inf` from a config file is refused in one line, not an OverflowError traceback."""
+
+
 def _option(path, flags, f, hint) -> click.Option:
     meta = f.metadata
     name = SEP.join(path)
@@ -160,6 +219,10 @@ def _option(path, flags, f, hint) -> click.Option:
         return IntList([*flags, name], default=default, **kw)
     if typing.get_origin(base) is Literal:
         return click.Option([*flags, name], type=click.Choice(typing.get_args(base)), default=default, **kw)
+    if base is float:
+        base = FiniteFloat(allow_inf=meta.get("allow_inf", False))
+    elif base is int:
+        base = FiniteInt()
     return click.Option([*flags, name], type=base, default=default, **kw)
 
 
@@ -179,9 +242,9 @@ def options(cls, prefix: tuple[str, ...] = ()):
 
 
 def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
-    """Every setting's choices and `ge`/`gt` bounds, as one line naming the flag and its value.
+    """Every setting's choices, finiteness and `ge`/`gt` bounds, as one line naming the flag and its value.
 
-    Click checks them on the command line; this also covers config files and Python callers.
+    Click checks finiteness on the command line and in config files; this also covers Python callers.
     """
     for path, flags, f, hint in _leaves(type(cfg), words=prefix):
         value = cfg
@@ -189,13 +252,15 @@ def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
             value = getattr(value, p)
         if typing.get_origin(hint) is Literal and value not in typing.get_args(hint):
             raise InputError(f"{flags[0]} {value!r} is not supported", f"use one of {list(typing.get_args(hint))}")
+        default = None if f.default is MISSING else f.default
+        check_finite(flags[0], value, default, f.metadata.get("allow_inf", False))
         ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
         if value is None or (ge is None and gt is None):
             continue
         if (ge is not None and value < ge) or (gt is not None and value <= gt):
             bound = f">= {ge}" if ge is not None else f"> {gt}"
-            default = "" if f.default in (MISSING, None) else f" (default {f.default})"
-            raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{default}")
+            shown = "" if default is None else f" (default {default})"
+            raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -246,19 +311,35 @@ def build(cls, data: dict[str, Any], where: str = "config"):
 # --- --config FILE ----------------------------------------------------------------------------
 
 
+def _load_yaml(text: str, path: Path):
+    """`yaml.safe_load`, refusing aliases (`*name`): a few nested ones expand a few hundred bytes into
+    billions of values (an "alias bomb"), and no setting needs one."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: a 1 MiB file in seconds, not a minute
+    for event in yaml.parse(text, Loader=loader):  # events only: nothing is expanded yet
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1
+            raise InputError(f"config file {path} uses a YAML alias (*{event.anchor}, line {line})",
+                             "write the value out: config files refuse aliases")
+    return yaml.load(text, Loader=loader)  # noqa: S506  (a safe loader)
+
+
 def load_config_file(path: str | Path, cls) -> dict[str, Any]:
     """The click default_map for a YAML or JSON file of `cls` settings (nested like `to_dict`)."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"config file {path} does not exist", "pass --config a YAML or JSON file")
-    text = path.read_text()
+        raise InputError(f"config file {path} {'is not a regular file' if path.exists() else 'does not exist'}",
+                         "pass --config a YAML or JSON file")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_CONFIG_BYTES + 1)  # bounded, whatever its size was a moment ago
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise InputError(f"config file {path} is {path.stat().st_size} bytes, more than 1 MiB",
+                         "a settings file is a few KB: pass the right file (`dspark train --print-config` writes one)")
     try:
-        if path.suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
+        data = json.loads(raw) if path.suffix == ".json" else _load_yaml(raw.decode(), path)
+    except InputError:
+        raise
     except Exception as e:  # noqa: BLE001  (any parse error is the same user mistake)
         mark = getattr(e, "problem_mark", None)  # YAML's position; JSON's message carries its own
         at = f" (line {mark.line + 1})" if mark else ""

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_json
+from dspark.jsonio import dump_json
 
 MIN_OVERLAP_CHARS = 40
 _SPACE = re.compile(r"\s+")
@@ -129,7 +130,7 @@ def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: in
                "train": len(train), "heldout": len(held), "seed": seed, "exclude": [str(p) for p in exclude],
                "dropped_by_reason": dict(dropped.most_common()),
                "fingerprint": sha256_json({"train": train, "heldout": [unique[i][1] for i in held]})}
-    Path(f"{train_out}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    Path(f"{train_out}.summary.json").write_text(dump_json(summary, indent=2) + "\n")
     return summary
 
 

@@ -32,6 +32,7 @@ import torch
 from dspark.connector.manifest import manifest_for_model
 from dspark.connector.zarr_store import ZarrSink
 from dspark.extract.runner import plan_batches
+from dspark.jsonio import dump_json
 from dspark.prepare import PreparedData
 
 WARMUP_SAMPLES = 4
@@ -167,7 +168,7 @@ def main():
     print(f"capture + write overhead: {100 * (e / b - 1):+.1f}%")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        args.json.write_text(dump_json(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspark.jsonio import dump_json
+
 
 def prompts_from_prepared(path: str, count: int) -> list[list[int]]:
     """The first `count` samples of a prepared folder, up to their first supervised token."""
@@ -159,7 +161,7 @@ def main(argv=None) -> int:
            "sample_from_anchor": draft_cfg.get("sample_from_anchor"), "block_size": draft_cfg.get("block_size"),
            "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "wall_s": round(time.time() - t0, 2)}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(out) + "\n")
+    Path(args.output).write_text(dump_json(out) + "\n")
     summary = {k: v for k, v in out.items() if k != "outputs"}
     print(json.dumps(summary, indent=1))
     return 0

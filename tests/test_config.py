@@ -2,14 +2,19 @@
 run records and the seed's own command lines all go through it."""
 
 import json
+import math
+import resource
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import pytest
+from click.testing import CliRunner
 
 from conftest import LAYERS, run_cli
-from dspark.config import load_config_file
+from dspark.cli import main
+from dspark.config import MooncakeConfig, ServeLimits, check_settings, load_config_file
 from dspark.connector.manifest import default_store
 from dspark.errors import InputError
 from dspark.prepare import PreparedData
@@ -141,3 +146,86 @@ def test_run_records_and_files_refuse_unknown_keys(tmp_path):
     assert (old_style.live.endpoint, old_style.live.mooncake.master) == ("http://x", "m:1")
     (tmp_path / "c.json").write_text(json.dumps({"data_path": "p", "epochs": 2}))
     assert load_config_file(tmp_path / "c.json", TrainConfig) == {"data_path": "p", "epochs": 2}
+
+
+def _float_options(group, path=()):
+    """(command words, option) for every float option of every command, found by walking the CLI."""
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            yield from _float_options(cmd, (*path, name))
+        for p in cmd.params:
+            if isinstance(p, click.Option) and isinstance(p.type, click.types.FloatParamType):
+                yield (*path, name), p.opts[0]
+
+
+FLOAT_OPTIONS = sorted(set(_float_options(main)))
+
+
+def test_the_cli_has_the_float_options_the_issue_names():
+    flags = {flag for _, flag in FLOAT_OPTIONS}
+    assert {"--lr", "--dflash-decay-gamma", "--max-grad-norm", "--checkpoint-freq", "--temperature",
+            "--confidence-threshold", "--tolerance", "--request-timeout", "--client-timeout"} <= flags
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("words, flag", FLOAT_OPTIONS, ids=[f"{' '.join(w)} {f}" for w, f in FLOAT_OPTIONS])
+def test_every_float_option_refuses_nan_and_infinity_before_anything_runs(words, flag, value):
+    """NaN passes every `<`/`>` bound; refused while parsing, before any other option or file is looked at."""
+    r = CliRunner().invoke(main, [*words, flag, value])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), r.output  # no traceback
+    assert r.output.startswith(f"error: {flag} {value} must be a finite number"), r.output
+    assert len(r.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, text, error", [
+    ("c.yaml", "lr: .nan\n", "--lr nan"),
+    ("c.yaml", "max_grad_norm: .inf\n", "--max-grad-norm inf"),
+    ("c.yaml", "live:\n  mooncake:\n    linger_seconds: -.inf\n", "--mooncake-linger-seconds -inf"),
+    ("c.yaml", "epochs: .inf\n", "--epochs inf"),  # an int setting: was an OverflowError traceback
+    ("c.json", '{"dflash_decay_gamma": NaN}', "--dflash-decay-gamma nan"),
+])
+def test_nan_and_infinity_in_a_config_file_are_one_line(tmp_path, name, text, error):
+    path = tmp_path / name
+    path.write_text(text)
+    proc = run_cli("train", "--config", path, *REQUIRED, "--print-config", check=False)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.startswith(f"error: {error} must be a finite number"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_python_callers_get_the_same_finite_rule():
+    base = dict(data_path="p", verifier_name_or_path="v", save_path="s", target_layer_ids=[1])
+    with pytest.raises(InputError, match=r"^--lr nan must be a finite number \(fix: pass a finite value"):
+        TrainConfig(**base, lr=math.nan).validate()
+    with pytest.raises(InputError, match=r"^--checkpoint-freq inf must be a finite number"):
+        TrainConfig(**base, checkpoint_freq=math.inf).validate()
+    with pytest.raises(InputError, match=r"^--client-timeout inf must be a finite number"):
+        ServeLimits(client_timeout=math.inf)
+    with pytest.raises(InputError, match=r"^--mooncake-put-timeout nan must be a finite number"):
+        check_settings(MooncakeConfig(put_timeout=math.nan), ("mooncake",))
+
+
+def test_a_config_file_larger_than_1_mib_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "big.yaml"
+    path.write_text("# padding\n" * 110_000 + "lr: 0.01\n")  # 1.1 MB of comments: valid YAML
+    proc = run_cli("train", "--config", path, *REQUIRED, "--print-config", check=False)
+    assert proc.returncode == 2, proc.stdout[:200]
+    assert proc.stderr.startswith(f"error: config file {path} is 1100009 bytes, more than 1 MiB"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _at_most_1_5_gib():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
+
+
+def test_a_yaml_alias_bomb_in_a_config_file_is_refused_unexpanded(tmp_path):
+    """Nine nested aliases of nine are 9**9 ints: refused as written, never expanded (memory capped, time bounded)."""
+    levels = ["  - &l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    levels += [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("target_layer_ids:\n" + "\n".join(levels) + "\n")
+    proc = run_cli("train", "--config", path, *REQUIRED[:6], "--print-config", check=False,
+                   preexec_fn=_at_most_1_5_gib, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.startswith(f"error: config file {path} uses a YAML alias (*l0, line 3)"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -1,6 +1,7 @@
 """The speculative-decoding loop behind `dspark eval --decode`: exact drafting, lossless verification, honest counts."""
 
 import json
+import math
 import os
 
 import numpy as np
@@ -11,9 +12,15 @@ from conftest import run_cli, train_cfg, write_jsonl
 from dspark.decode.drafter import DraftContext, Drafter, Proposal
 from dspark.decode.loop import accept, autoregressive, prefill, speculative
 from dspark.decode.report import summarize
+from dspark.decode.run import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
+from dspark.errors import InputError
 from dspark.evaluate import load_checkpoint
 from dspark.prepare import PreparedData
+
+
+def refuse_non_json(token):
+    raise AssertionError(f"{token} is not JSON")
 
 
 def _prompts(prepared, n):
@@ -246,7 +253,7 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "ev",
                    "--prompts", f"chat={chat_file}", "--prompts", f"long={lb}", "--max-prompts", "2",
                    "--max-new-tokens", "16", "--no-progress")
-    result = json.loads((tmp_path / "ev" / "decode.json").read_text())
+    result = json.loads((tmp_path / "ev" / "decode.json").read_text(), parse_constant=refuse_non_json)
     assert [d["name"] for d in result["datasets"]] == ["chat", "long"]
     for d in result["datasets"]:
         assert d["outputs_equal_verifier_only"] == d["prompts"] == 2
@@ -264,3 +271,24 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     twice = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e3",
                     "--prompts", no_user, "--prompts", f"asks={chat_file}", check=False)
     assert twice.returncode == 2 and "named asks" in twice.stderr and "NAME=PATH" in twice.stderr
+
+
+def test_eval_decode_refuses_a_nan_or_infinite_setting_before_loading_anything(tmp_path):
+    """`--temperature inf` once reported every rate 1.000 and a 3.13x speedup, and wrote Infinity into decode.json."""
+    proc = run_cli("eval", "--checkpoint", tmp_path / "none", "--decode", "--temperature", "inf", check=False)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --temperature inf must be a finite number")
+    assert len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(InputError, match=r"^--temperature nan must be a finite number"):
+        DecodeConfig("ckpt", temperature=math.nan).validate()
+    with pytest.raises(InputError, match=r"^--confidence-threshold nan must be a finite number"):
+        DecodeConfig("ckpt", confidence_threshold=math.nan).validate()
+
+
+def test_longbench_refuses_a_target_length_no_context_window_holds(verifier, tmp_path):
+    """`--lengths 1000000000` once ran for minutes; now one line, before any text is built (time-bounded here)."""
+    out = tmp_path / "lb.jsonl"
+    proc = run_cli("longbench", "--output", out, "--model", verifier, "--lengths", "4096", "1000000000", check=False,
+                   timeout=60)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.startswith("error: --lengths 1000000000 is longer than 1048576 tokens"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

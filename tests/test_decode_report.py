@@ -1,5 +1,7 @@
 """The decode report per sub-domain: MT-bench categories (and LongBench datasets) get their own acceptance rows."""
 
+import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -8,6 +10,9 @@ from dspark.decode import loop
 from dspark.decode.prompts import Prompt, PromptSet
 from dspark.decode.report import markdown
 from dspark.decode.run import DecodeConfig, _decode_set
+from dspark.evaluate import write_report
+from dspark.train.checkpoint import RunDir
+from dspark.train.metrics import MetricLog
 
 # The first prompt token says how many drafts (of 4) each verifier step accepts for that prompt.
 ACCEPTED = {1: [4, 4], 2: [1, 0], 3: [0, 0, 2]}
@@ -56,3 +61,27 @@ def test_the_decode_report_gives_per_position_acceptance_per_mtbench_category(sc
     assert "| mt | math | 2 | 5 | 0.400 | 0.200 | 0.000 | 0.000 | 1.60 |" in md
     assert "| chat | - |" not in md and "| mt | 3 | 7 |" in md  # the overall row is still there
     assert "sub-domain" not in markdown({**result, "datasets": [plain]})
+
+
+def _strict(text: str):
+    def refuse(token):
+        raise AssertionError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_result_files_are_strict_json_with_an_undefined_value_as_null(tmp_path):
+    """decode.json/eval.json, metrics.jsonl and the run record never hold the non-JSON tokens NaN or Infinity."""
+    write_report({"speedup": math.nan, "rates": [1.0, math.inf]}, tmp_path, "decode", lambda r: "", lambda *a: None,
+                 "t")
+    assert _strict((tmp_path / "decode.json").read_text()) == {"speedup": None, "rates": [1.0, None]}
+
+    log = MetricLog(tmp_path / "metrics.jsonl", tensorboard=False)
+    log.write({"step": 1, "split": "train", "metrics": {"loss": math.nan, "tau": 1.5}})
+    assert [_strict(line) for line in log.path.read_text().splitlines()] == [
+        {"step": 1, "split": "train", "metrics": {"loss": None, "tau": 1.5}}]
+    log.truncate_after(1)
+    assert _strict(log.path.read_text())["metrics"]["loss"] is None
+
+    run = RunDir(tmp_path / "run")
+    run.write_record({"train": {"lr": math.inf}})
+    assert _strict(run.config_path.read_text()) == {"train": {"lr": None}}

@@ -26,6 +26,9 @@ from typing import Callable
 from dspark.decode.prompts import longbench_prompt, render_prompt
 from dspark.errors import InputError
 
+# The longest context windows served today; a target past it would take minutes to build, and
+# no verifier could read the prompt.
+MAX_LENGTH = 1 << 20
 THINGS = ["old bridge", "blue door", "silver key", "north tower", "red lantern", "quiet garden", "stone well"]
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
@@ -41,6 +44,9 @@ def generate(texts: list[str], tokenizer, output: Path, lengths: list[int], per_
     if per_length < 1 or not lengths or min(lengths) < 1:
         raise InputError(f"--lengths {lengths} --per-length {per_length} asks for no record",
                          "pass positive target lengths and a positive --per-length")
+    if max(lengths) > MAX_LENGTH:
+        raise InputError(f"--lengths {max(lengths)} is longer than {MAX_LENGTH} tokens, the longest context windows "
+                         "served", f"pass target lengths up to {MAX_LENGTH}")
     costs = [len(ids) for ids in tokenizer([" " + s for s in sentences], add_special_tokens=False)["input_ids"]]
     rng = random.Random(seed)
     records, tokens = [], {}

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.config import check_finite
 from dspark.decode.drafter import DraftSample, Layout
 from dspark.decode.loop import Rejection
 from dspark.decode.prompts import parse_spec
@@ -32,6 +33,8 @@ class DecodeConfig:
     ignore_eos: bool = False
 
     def validate(self) -> DecodeConfig:
+        check_finite("--temperature", self.temperature, 0.0)
+        check_finite("--confidence-threshold", self.confidence_threshold, 0.5)
         if self.temperature < 0:
             raise InputError(f"--temperature {self.temperature} is negative", "pass 0 (greedy) or a positive value")
         if self.max_new_tokens < 1:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark.jsonio import dump_json
 from dspark.train.metrics import MetricLog
 
 # (dataset, what, threshold): the goals, on held-out prompts, greedy, 8 drafts per step, 2 CPU cores.
@@ -185,7 +186,7 @@ def markdown(r: dict) -> str:
 def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "cache/recipes/smollm2")
     r = gather(root)
-    (root / "results.json").write_text(json.dumps(r, indent=2, default=str) + "\n")
+    (root / "results.json").write_text(dump_json(r, indent=2, default=str) + "\n")
     plot_curves(r["curves"], root / "learning_curve.png")
     (root / "results.md").write_text(markdown(r))
     print(markdown(r))
