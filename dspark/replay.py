@@ -28,10 +28,10 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
         if (a["step"], a["split"]) != (b["step"], b["split"]):
             return f"{where}: replay logged step {b['step']} {b['split']} instead"
         for k in sorted(set(a["metrics"]) | set(b["metrics"])):
-            x, y = a["metrics"].get(k), b["metrics"].get(k)
-            if x is None or y is None:
-                return f"{where}: metric {k} only in the {'replay' if x is None else 'record'}"
-            if not (x == y or math.isclose(x, y, rel_tol=tolerance, abs_tol=tolerance)):
+            if k not in a["metrics"] or k not in b["metrics"]:
+                return f"{where}: metric {k} only in the {'replay' if k not in a['metrics'] else 'record'}"
+            x, y = a["metrics"][k], b["metrics"][k]  # None: a value that was not finite (written as null)
+            if not (x == y or (None not in (x, y) and math.isclose(x, y, rel_tol=tolerance, abs_tol=tolerance))):
                 return f"{where}: {k} recorded {x!r}, replayed {y!r}"
     if len(recorded) != len(replayed):
         return f"the record has {len(recorded)} metric records, the replay {len(replayed)}"

@@ -399,3 +399,14 @@ def test_export_refuses_a_folder_that_is_not_an_earlier_export_of_the_checkpoint
     other = next(p for p in (Path(c.save_path) / "checkpoints").iterdir() if p != latest)
     proc = run_cli("export", other, "--output", again, "--verifier-name", "Org/Tiny", check=False)
     assert proc.returncode == 2 and "is not an export of" in proc.stderr  # ...another checkpoint's is not
+
+
+def test_replay_compares_a_metric_written_as_null_and_tells_it_from_a_missing_one():
+    from dspark.replay import first_divergence
+
+    def rec(**metrics):
+        return [{"step": 1, "split": "train", "metrics": metrics}]
+
+    assert first_divergence(rec(loss=None), rec(loss=None), 0.0) is None  # NaN both times: reproduced
+    assert first_divergence(rec(loss=None), rec(loss=1.5), 0.0) == "record 0 (step 1, train): loss recorded None, replayed 1.5"
+    assert first_divergence(rec(loss=1.0), rec(), 0.0) == "record 0 (step 1, train): metric loss only in the record"
