@@ -53,7 +53,8 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
 
 
 def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
-    from dspark.train.checkpoint import copy_atomic, read_config, require_checkpoint, write_atomic
+    from dspark.files import copy_atomic, write_atomic
+    from dspark.train.checkpoint import read_config, require_checkpoint
 
     src = require_checkpoint(checkpoint)
     if not verifier_name or verifier_name.startswith(("/", ".", "~")):

@@ -39,15 +39,13 @@ import shutil
 import socket
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from dspark.errors import CheckpointError, InputError
-from dspark.files import file_xxh3
+from dspark.files import file_xxh3, write_atomic
 from dspark.jsonio import dump_json
 
 
@@ -92,31 +90,6 @@ def _write_failure(e: BaseException) -> tuple[str, bool]:
     if m:
         return m.group(1).strip(), int(m.group(2)) == errno.ENOSPC
     return first_line(e), False
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator:
-    """A new binary file that replaces `path` once written whole: a reader sees the old file or the new one,
-    never half of one, and a symlink at `path` is itself replaced, never written through."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # left by a killed process that had this pid
-    try:
-        with open(tmp, "xb") as f:  # "x" (O_CREAT | O_EXCL) makes a new file: it never opens a symlink's target
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, text: str) -> None:
-    with replacing(path) as f:
-        f.write(text.encode())
-
-
-def copy_atomic(src: Path, dst: Path) -> None:
-    with open(src, "rb") as s, replacing(dst) as d:
-        shutil.copyfileobj(s, d, 1 << 20)
 
 
 class RunLock:

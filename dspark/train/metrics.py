@@ -9,7 +9,7 @@ import torch
 
 from dspark.errors import CheckpointError, InputError
 from dspark.jsonio import dump_json
-from dspark.train.checkpoint import write_atomic
+from dspark.files import write_atomic
 
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:
