@@ -27,6 +27,10 @@ class StoreMismatch(StoreError):
     """A store written for another verifier, layer set, data set or format."""
 
 
+class TrainingDiverged(DsparkError):
+    """A loss or gradient norm that is not finite: the run stops before a weight moves."""
+
+
 class CheckpointError(DsparkError):
     """A run's checkpoint or metric log that cannot be written, or a checkpoint unsafe or damaged to read."""
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import fit, run_cli, wait_for
-from dspark.errors import CheckpointError, DsparkError, InputError
+from dspark.errors import CheckpointError, InputError, TrainingDiverged
 from dspark.evaluate import run_eval
 from dspark.export import export
 from dspark.train.checkpoint import RunDir
@@ -277,7 +277,7 @@ def test_a_loss_that_turns_nan_stops_the_run_naming_the_step_and_keeps_the_last_
     run = tmp_path / "r"
     trainer = Trainer(replace(c, save_path=str(run)), progress=False)
     trainer.wrapped = NanLossAt(11, trainer)
-    with pytest.raises(DsparkError, match=r"^training diverged at step 11 \(epoch 0\): the loss is nan; "
+    with pytest.raises(TrainingDiverged, match=r"^training diverged at step 11 \(epoch 0\): the loss is nan; "
                                           rf"the last good checkpoint {run}/checkpoints/step-000008 is kept"):
         trainer.fit()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000008"]

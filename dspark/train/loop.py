@@ -27,7 +27,7 @@ import torch
 
 from dspark.connector.base import SOURCES, Source
 from dspark.connector.manifest import default_store, manifest_for_model, require_same_weights
-from dspark.errors import DsparkError, InputError, StoreError, StoreMismatch
+from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
 from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rng_state, set_rng_state
@@ -245,10 +245,10 @@ class Trainer:
         metrics["grad_norm_sum"], metrics["grad_norm_total"] = grad_norm.detach(), torch.ones(())
         return metrics
 
-    def _diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> DsparkError:
+    def _diverged(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> TrainingDiverged:
         what = f"the loss is {loss.item()}" if not torch.isfinite(loss) else f"the gradient norm is {grad_norm.item()}"
         kept = (self.run.saved() or [None])[-1]  # what a rerun resumes from
-        return DsparkError(f"training diverged at step {self.state['step'] + 1} (epoch {self.state['epoch']}): {what}; "
+        return TrainingDiverged(f"training diverged at step {self.state['step'] + 1} (epoch {self.state['epoch']}): {what}; "
                            + (f"the last good checkpoint {kept} is kept" if kept else "no checkpoint was saved yet"),
                            "lower --lr or --max-grad-norm (or check the data of that step), then rerun with --force: "
                            + ("training resumes from that checkpoint" if kept else "training starts over"))
