@@ -22,9 +22,10 @@ from typing import Any, Literal
 import click
 
 from dspark.errors import InputError
+from dspark.files import FileRefused, read_bounded
 
 SEP = "__"  # click parameter names: live__mooncake__master <-> cfg.live.mooncake.master
-MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB; a larger one is a mistake that would parse for minutes
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB
 
 
 def setting(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (), cli: bool = True,
@@ -328,14 +329,13 @@ def _load_yaml(text: str, path: Path):
 def load_config_file(path: str | Path, cls) -> dict[str, Any]:
     """The click default_map for a YAML or JSON file of `cls` settings (nested like `to_dict`)."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"config file {path} {'is not a regular file' if path.exists() else 'does not exist'}",
-                         "pass --config a YAML or JSON file")
-    with open(path, "rb") as f:
-        raw = f.read(MAX_CONFIG_BYTES + 1)  # bounded, whatever its size was a moment ago
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise InputError(f"config file {path} is {path.stat().st_size} bytes, more than 1 MiB",
-                         "a settings file is a few KB: pass the right file (`dspark train --print-config` writes one)")
+    try:
+        raw = read_bounded(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        raise InputError(f"config file {path} does not exist", "pass --config a YAML or JSON file") from None
+    except FileRefused as e:  # a settings file is a few KB: a larger one would parse for minutes
+        raise InputError(f"config file {path} {e}", "pass --config a YAML or JSON file of settings "
+                                                    "(`dspark train --print-config` writes one)") from None
     try:
         data = json.loads(raw) if path.suffix == ".json" else _load_yaml(raw.decode(), path)
     except InputError:
