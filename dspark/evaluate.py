@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from dspark.errors import InputError
+from dspark.files import replacing, write_atomic
 from dspark.jsonio import dump_json
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -251,15 +252,16 @@ def save_figure(fig, path: Path, title: str) -> None:
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with replacing(path) as f:
+        fig.savefig(f, dpi=110, format="png")
     plt.close(fig)
 
 
 def write_report(result: dict, out: Path, name: str, markdown_fn, plot_fn, title: str) -> None:
     """NAME.json, NAME.md and NAME.png in `out`: what a script reads, what a person reads, what they look at."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(dump_json(result, indent=2))
-    (out / f"{name}.md").write_text(markdown_fn(result))
+    write_atomic(out / f"{name}.json", dump_json(result, indent=2))  # whole or not at all, as every result file
+    write_atomic(out / f"{name}.md", markdown_fn(result))
     plot_fn(result, out / f"{name}.png", title)
 
 
