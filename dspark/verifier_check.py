@@ -19,6 +19,7 @@ import struct
 from pathlib import Path
 
 from dspark.errors import InputError
+from dspark.files import FileRefused, read_bounded
 
 JSON_LIMIT = 64 << 20  # bytes read of config.json or a weight index: real ones are KBs to a few MBs
 HEADER_LIMIT = 100 << 20  # a safetensors header's size limit, as the format sets it
@@ -61,12 +62,8 @@ def check_verifier_config(model: str | Path, dtype: str | None = None, host_memo
 def _read_json(path: Path) -> dict:
     """A JSON object from `path`, read up to `JSON_LIMIT` bytes (a path may name /dev/zero)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(JSON_LIMIT + 1)
-        if len(raw) > JSON_LIMIT:
-            raise ValueError(f"over {JSON_LIMIT >> 20} MiB")
-        data = json.loads(raw)
-    except (OSError, ValueError) as e:  # ValueError: also JSON, UTF-8 and integers of over 4300 digits
+        data = json.loads(read_bounded(path, JSON_LIMIT))
+    except (OSError, ValueError, FileRefused) as e:  # ValueError: also JSON, UTF-8 and integers of over 4300 digits
         raise InputError(f"{path} is unreadable ({' '.join(str(e).split())[:200]})", _FIX) from None
     if not isinstance(data, dict):
         raise InputError(f"{path} is not a JSON object", _FIX)

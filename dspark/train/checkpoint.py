@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from dspark.errors import CheckpointError, InputError
-from dspark.files import file_xxh3, write_atomic
+from dspark.files import FileRefused, file_xxh3, read_bounded, write_atomic
 from dspark.jsonio import dump_json
 
 
@@ -151,11 +151,12 @@ def damaged(ckpt: Path, what: str) -> CheckpointError:
 
 
 def _small_json(ckpt: Path, name: str):
-    path = ckpt / name
-    if not path.is_file() or path.stat().st_size > SMALL_FILE:
-        raise damaged(ckpt, f"{name} is not a file of at most {SMALL_FILE} bytes")
     try:
-        return json.loads(path.read_bytes())
+        raw = read_bounded(ckpt / name, SMALL_FILE)
+    except (OSError, FileRefused):
+        raise damaged(ckpt, f"{name} is not a file of at most {SMALL_FILE} bytes") from None
+    try:
+        return json.loads(raw)
     except ValueError as e:
         raise damaged(ckpt, f"{name} is not JSON ({first_line(e)})") from None
 
