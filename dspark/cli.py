@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import click
@@ -39,6 +39,13 @@ def _echo_json(obj) -> None:
     click.echo(dump_json(obj, indent=2, default=str))
 
 
+def _local(model: str | None) -> str | None:
+    """A verifier as given (a folder, or a hub id in the Hugging Face cache) as the folder commands read."""
+    from dspark.hub import local_model
+
+    return str(local_model(model)) if model else model
+
+
 @click.group(cls=_Group, context_settings=CONTEXT)
 @click.version_option(package_name="dspark")
 def main():
@@ -59,8 +66,6 @@ def main():
               help="Longest context (default 4096); long-context evals need more (e.g. 32768).")
 def toy_verifier(output, steps, seed, max_position_embeddings):
     """Build a tiny pre-trained Qwen3 verifier + chat tokenizer, offline."""
-    from dataclasses import replace
-
     from dspark.toy import ToySpec, build_toy_verifier
 
     spec = ToySpec(seed=seed)
@@ -73,7 +78,7 @@ def toy_verifier(output, steps, seed, max_position_embeddings):
 
 @main.command("longbench")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="The LongBench-format JSONL to write.")
-@click.option("--model", required=True, help="Verifier folder (its tokenizer sizes the contexts).")
+@click.option("--model", required=True, help="Verifier folder or cached hub id (its tokenizer sizes the contexts).")
 @click.option("--text", "texts", multiple=True, type=click.Path(path_type=Path),
               help="Local text or chat JSONL to build contexts from (default: the shipped demo chat).")
 @click.option("--lengths", cls=IntList, default="2048 4096 8192", show_default=True,
@@ -88,7 +93,7 @@ def longbench_cmd(output, model, texts, lengths, per_length, seed):
     from dspark.toy import demo_chat_path
 
     corpus = [t for path in (texts or [demo_chat_path()]) for t in read_texts(path)]
-    _echo_json(generate(corpus, load_tokenizer(model), output, list(lengths), per_length, seed))
+    _echo_json(generate(corpus, load_tokenizer(_local(model)), output, list(lengths), per_length, seed))
 
 
 @main.command()
@@ -107,7 +112,7 @@ def holdout(data, train_out, heldout_output, heldout, exclude, seed):
 
 
 @main.command()
-@click.option("--model", required=True, help="Verifier folder (for its tokenizer and chat template).")
+@click.option("--model", required=True, help="Verifier folder or cached hub id (for its tokenizer and chat template).")
 @click.option("--trust-remote-code", is_flag=True)
 @click.option("--data", required=True, help="Chat JSONL: OpenAI `messages` or ShareGPT `conversations`.")
 @click.option("--output", required=True)
@@ -132,6 +137,7 @@ def prepare(**kw):
     from dspark.prepare import PrepareConfig
     from dspark.prepare import prepare as run
 
+    kw["model"] = _local(kw["model"])
     summary = run(PrepareConfig(**kw))
     status = "up to date, nothing to do" if summary.pop("up_to_date") else "written"
     click.echo(f"prepare {kw['output']}: {status}")
@@ -160,7 +166,8 @@ def regenerate(no_progress, **kw):
     """
     from dspark.regenerate import regenerate as run
 
-    summary = run(build(RegenerateConfig, nest(kw), "the command line"), progress=not no_progress)
+    cfg = build(RegenerateConfig, nest(kw), "the command line")
+    summary = run(replace(cfg, model=_local(cfg.model)), progress=not no_progress)
     click.echo(f"regenerate {summary['output']}: {summary['note']}", err=True)
     if summary["dropped"] or summary["truncated"]:
         reasons = ", ".join(f"{r} {n}" for r, n in summary["dropped_by_reason"].items())
@@ -180,7 +187,7 @@ def _pop_config(kw: dict, name: str, cls):
 
 @main.command()
 @click.option("--to", "to", default="zarr", show_default=True, help="Sink(s): zarr, mooncake or zarr,mooncake.")
-@click.option("--model", required=True)
+@click.option("--model", required=True, help="Verifier folder, or a hub id in the Hugging Face cache.")
 @click.option("--data", required=True, help="A folder written by `dspark prepare`.")
 @click.option("--store", default=None, help="Zarr store folder (created or resumed); default: "
               "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
@@ -213,6 +220,7 @@ def extract(fp8, no_progress, **kw):
     from dspark.extract.runner import ExtractConfig, run_extract
 
     mooncake = _pop_config(kw, "mooncake", MooncakeConfig)
+    kw["model"] = _local(kw["model"])
     cfg = ExtractConfig(encoding="fp8_e4m3" if fp8 else "raw", mooncake=mooncake, **kw)
     _echo_json(run_extract(cfg, progress=not no_progress))
 
@@ -231,11 +239,12 @@ def train(print_config, force, no_progress, **kw):
         return
     from dspark.train.loop import Trainer
 
+    cfg = replace(cfg, verifier_name_or_path=_local(cfg.verifier_name_or_path))
     _echo_json(Trainer(cfg, force=force, progress=not no_progress).fit())
 
 
 @main.command()
-@click.option("--model", required=True)
+@click.option("--model", required=True, help="Verifier folder, or a hub id in the Hugging Face cache.")
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--to", "--hidden-states-backend", "to", default="mooncake", show_default=True,
@@ -262,12 +271,13 @@ def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, t
         raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
                          "pass both, or use --to mooncake")
     limits = ServeLimits(**{f.name: kw.pop(f.name) for f in fields(ServeLimits)})
+    model = _local(model)
     engine = TransformersEngine(model, target_layer_ids, device, dtype, trust_remote_code)
     mooncake = _pop_config(kw, "mooncake", MooncakeConfig)
     sinks = SinkConfig(to=to, store=store, prepared_fingerprint=PreparedData(data).fingerprint if data else None,
                        writer_threads=mooncake.writer_threads, mooncake=mooncake)
     producer = Producer(sinks, model, target_layer_ids, engine.dtype_name, trust_remote_code)
-    server = make_server(ExtractionService(engine, producer, Path(model).name, limits), host, port)
+    server = make_server(ExtractionService(engine, producer, model_name(model), limits), host, port)
     click.echo(f"dspark serve: {model} on http://{host}:{port}/v1 -> {to}", err=True)
     try:
         server.serve_forever()
@@ -295,7 +305,7 @@ def launch_vllm(argv):
 @click.option("--checkpoint", required=True, help="A checkpoint folder, e.g. RUN/latest.")
 @click.option("--store", default=None, help="The Zarr store to score on (default: the run's).")
 @click.option("--data-path", default=None, help="Prepared data (default: the run's).")
-@click.option("--verifier-name-or-path", default=None, help="Verifier folder (default: the run's).")
+@click.option("--verifier-name-or-path", default=None, help="Verifier folder or cached hub id (default: the run's).")
 @click.option("--split", type=click.Choice(["val", "all"]), default="val", show_default=True)
 @click.option("--output", default=None, help="Folder for eval.json/.md/.png (default: CHECKPOINT/eval).")
 @click.option("--device", default="auto", show_default=True)
@@ -335,6 +345,7 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
     from dspark.evaluate import markdown, run_eval
 
+    verifier_name_or_path = _local(verifier_name_or_path)
     if decode:  # its mistakes are one line before the teacher-forced pass, not after it
         from dspark.decode.run import DecodeConfig
 
@@ -462,7 +473,7 @@ def store_verify(path, data, no_progress):
 @store.command("repair")
 @click.argument("path")
 @click.option("--data", required=True, help="The prepared folder the store was extracted from.")
-@click.option("--model", required=True, help="The verifier folder the store was extracted with.")
+@click.option("--model", required=True, help="The verifier folder or cached hub id the store was extracted with.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
               help="As the store's extraction used: the same batches give byte-identical states.")
@@ -478,7 +489,7 @@ def store_repair(path, data, model, device, batch_tokens, max_batch_size, trust_
     """
     from dspark.extract.runner import run_repair
 
-    _echo_json(run_repair(path, data, model, device, batch_tokens, max_batch_size, trust_remote_code,
+    _echo_json(run_repair(path, data, _local(model), device, batch_tokens, max_batch_size, trust_remote_code,
                           progress=not no_progress, accept_other_weights=accept_other_weights))
 
 

@@ -22,6 +22,8 @@ import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
+from dspark.hub import model_name
+
 # The reports `dspark eval` writes into CHECKPOINT/eval, and the figures export copies beside the card.
 EVAL_DIR = "eval"
 REPORTS = (("eval", "Teacher-forced acceptance (`dspark eval`)"),
@@ -270,7 +272,7 @@ def extract_command(p: Provenance) -> tuple[str, list[str]]:
             default = None
         if m.get("chunk_tokens") and m["chunk_tokens"] != default:
             words.append(f"--chunk-tokens {_arg(m['chunk_tokens'])}")
-        verifier_dir = Path(str(t.get("verifier_name_or_path") or "")).name
+        verifier_dir = model_name(str(t.get("verifier_name_or_path") or ""))
         if m.get("verifier_name") and m["verifier_name"] != verifier_dir:
             words.append(f"--verifier-name {_arg(m['verifier_name'])}")
     else:

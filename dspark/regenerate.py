@@ -72,7 +72,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 @dataclass
 class RegenerateConfig:
-    model: str = setting(help="Verifier folder: its chat template renders the prompts, its weights write the replies.")
+    model: str = setting(help="Verifier folder (or cached hub id): its chat template renders the prompts, its weights write the replies.")
     data: str = setting(help="Chat file: JSONL with OpenAI `messages` or ShareGPT `conversations`, or a JSON array.")
     output: str = setting(help="Chat JSONL to write (resumed if it exists), with OUTPUT.regenerate.json beside it.")
     engine: Literal["transformers", "vllm"] = setting(

@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub here: fail fast ins
 os.environ.setdefault("LOGURU_LEVEL", "ERROR")
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -107,6 +108,22 @@ def reference_run(store, prepared, verifier, tmp_path_factory):
     """A trained tiny drafter: (its TrainConfig, its metric records); shared by training, eval and decode tests."""
     c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "ref")
     return c, fit(c)
+
+
+def hf_cache_model(hf_home: Path, repo_id: str, source: Path | None = None, config: dict | None = None) -> Path:
+    """Put a model into a Hugging Face cache under `repo_id`, laid out as huggingface_hub downloads it
+    (`hub/models--ORG--NAME/snapshots/<commit>/`, `refs/main`): `source`'s files, or a lone config.json."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for f in (source.iterdir() if source else []):
+        shutil.copy(f, snapshot / f.name)
+    if config is not None:
+        (snapshot / "config.json").write_text(json.dumps(config))
+    return snapshot
 
 
 def write_jsonl(path: Path, records) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_for
+from conftest import hf_cache_model, wait_for
 from dspark.extract import launch
 from dspark.net import free_port
 
@@ -33,8 +33,8 @@ def model(tmp_path) -> Path:
     return tmp_path / "model"
 
 
-def _launch(entry: list[str], *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU whatever the box: the env addition is fixed
+def _launch(entry: list[str], *args, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}  # no GPU whatever the box: fixed env addition
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     return subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True, env=env,
                           cwd=ROOT)
@@ -67,9 +67,10 @@ def test_seed_command_line(model, tmp_path, entry, backend):
     if zarr:
         assert (extra["store"], extra["prepared_fingerprint"]) == (str(tmp_path / "store"), "abc123")
 
-    cmd = plan["command"]
-    assert cmd[:10] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                        "--host", "127.0.0.1", "--port", "8000", "--trust-remote-code"]
+    cmd = plan["command"]  # no --host/--port given: vLLM's defaults (every interface, 8000)
+    assert cmd[:6] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                       "--trust-remote-code"]
+    assert plan["health"] == "http://127.0.0.1:8000"
     assert json.loads(cmd[cmd.index("--speculative-config") + 1]) == spec
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == kv
     assert cmd[-len(VLLM_FLAGS):] == VLLM_FLAGS
@@ -96,7 +97,10 @@ def test_headless_follower_runs_vllm_serve_with_the_heads_configs(model):
     (["--target-layer-ids", "1,3,94"], "duplicate layer ids"),  # 94 (the last layer) is always added
     (["--target-layer-ids", "1", "--hidden-states-backend", "zarr"], "needs --store and --data"),
     (["--target-layer-ids", "1", "--", "--speculative-config", "{}"], "--speculative-config after `--`"),
-    (["--target-layer-ids", "1", "--", "--port=9000"], "--port after `--`"),
+    (["--target-layer-ids", "1", "--", "--model", "x"], "--model after `--`"),
+    (["--target-layer-ids", "1", "--port", "9000", "--", "--port", "9001"],
+     "--port 9000 before `--` and --port 9001 after it disagree"),
+    (["--target-layer-ids", "1", "--", "--port", "http"], "--port 'http' after `--` is not a port number"),
     (["--target-layer-ids", "1", "--mooncake-protocol", "udp"], "invalid choice"),
 ])
 def test_bad_input_is_one_line(model, capsys, args, message):
@@ -107,15 +111,47 @@ def test_bad_input_is_one_line(model, capsys, args, message):
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
 
 
-def test_hub_model_needs_layer_count_and_cli_says_so_in_one_line(tmp_path):
-    proc = _launch(["-m", "dspark.cli", "launch-vllm"], "Org/Model", "--target-layer-ids", "1", "--print-only")
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: ") and "--num-hidden-layers" in proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+@pytest.mark.parametrize("before, after, command, health", [
+    ([], [], [], "http://127.0.0.1:8000"),  # vLLM's defaults: every interface, port 8000
+    ([], ["--port", "9123", "--host", "0.0.0.0"], [], "http://127.0.0.1:9123"),  # the card's way: vLLM's flags
+    ([], ["--port=9124", "--host=::"], [], "http://[::1]:9124"),
+    (["--host", "10.1.2.3", "--port", "9000"], [], ["--host", "10.1.2.3", "--port", "9000"], "http://10.1.2.3:9000"),
+    (["--port", "9000"], ["--port", "9000"], [], "http://127.0.0.1:9000"),  # the same value twice agrees
+])
+def test_host_and_port_after_dashdash_are_vllms_and_the_health_wait_follows_them(model, before, after, command,
+                                                                                  health):
+    args, flags = launch.parse_args([str(model), "--target-layer-ids", "1", *before, "--", *after])
+    plan = launch.build_plan(args, flags)
+    cmd = plan["command"]  # [python, -m, server, --model, MODEL, <what the launcher adds>, configs, <after>]
+    assert cmd[5:cmd.index("--speculative-config")] == command and cmd[len(cmd) - len(after):] == after
+    assert sum(w.split("=")[0] == "--port" for w in cmd) == (1 if before or after else 0)
+    assert plan["health"] == health
+
+
+def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path):
+    """Not a folder: its config.json comes from HF_HOME's cache, or vLLM's --download-dir; only when
+    neither holds it is --num-hidden-layers asked for, in one line."""
+    env = {"HF_HOME": str(tmp_path / "hf")}
+    proc = _launch(["-m", "dspark.cli", "launch-vllm"], "Org/Model", "--target-layer-ids", "1", "--print-only",
+                   env=env)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: Org/Model is neither a local folder nor a model in the Hugging Face "
+                                  f"cache at {tmp_path / 'hf' / 'hub'}, so its layer count is unknown")
+    assert "--num-hidden-layers" in proc.stderr
     ok = _launch(["scripts/launch_vllm.py"], "Org/Model", "--target-layer-ids", "1,3", "--num-hidden-layers", "6",
-                 "--print-only")
+                 "--print-only", env=env)
     assert json.loads(ok.stdout)["speculative_config"]["draft_model_config"]["hf_config"] == {
         "eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
+
+    hf_cache_model(tmp_path / "hf", "Org/Model", config={"num_hidden_layers": 12})
+    hf_cache_model(tmp_path / "downloads" / "x", "Org/Model", config={"num_hidden_layers": 7})
+    for extra, last in (([], 12), (["--", "--download-dir", tmp_path / "downloads" / "x" / "hub"], 7)):
+        proc = _launch(["scripts/launch_vllm.py"], "Org/Model", "--target-layer-ids", "1,3", "--print-only", *extra,
+                       env=env)
+        assert proc.returncode == 0, proc.stderr
+        layers = json.loads(proc.stdout)["speculative_config"]["draft_model_config"]["hf_config"]
+        assert layers == {"eagle_aux_hidden_state_layer_ids": [1, 3, last]}
+        assert json.loads(proc.stdout)["command"][4] == "Org/Model"  # vLLM gets the hub id, as typed
 
 
 FAKE_SERVER = r"""

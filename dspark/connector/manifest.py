@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
 from dspark.connector.encoding import bytes_per_token
+from dspark.hub import model_name
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded
 from dspark.fingerprint import model_config_hash, tokenizer_hash, weights_hash
@@ -177,7 +178,7 @@ def default_store(model: str | Path, target_layer_ids: list[int], prepared_finge
     """Where a store lives when no --store/--cache is given: named by what makes its identity,
     so `dspark extract` and `dspark train` find the same folder without being told."""
     layers = "-".join(map(str, target_layer_ids))
-    return str(Path("cache") / "stores" / f"{Path(model).name}-L{layers}-{prepared_fingerprint[:12]}")
+    return str(Path("cache") / "stores" / f"{model_name(model)}-L{layers}-{prepared_fingerprint[:12]}")
 
 
 def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
@@ -205,7 +206,7 @@ def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_
     dtype = dtype or str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
     per_token = bytes_per_token(len(layers) + 1, cfg.hidden_size, encoding, dtype)
     return StoreManifest(
-        verifier_name=verifier_name or model.resolve().name,
+        verifier_name=verifier_name or model_name(model.resolve()),
         verifier_config_hash=model_config_hash(model),
         tokenizer_hash=tokenizer_hash(model),
         verifier_weights_hash=weights_hash(model),

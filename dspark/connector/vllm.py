@@ -44,6 +44,7 @@ from dspark.connector.base import Sample, Sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.producer import Producer
 from dspark.errors import InputError
+from dspark.hub import local_model
 
 log = logging.getLogger("dspark.vllm")
 
@@ -78,7 +79,9 @@ class DsparkHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
                              "extract_hidden_states", "start vLLM through `dspark launch-vllm`")
         captured = list(spec.draft_model_config.hf_config.eagle_aux_hidden_state_layer_ids)
         mc = vllm_config.model_config
-        self.producer = Producer(self.config, mc.model, captured[:-1], str(mc.dtype).removeprefix("torch."),
+        # A hub id stays one in vLLM's config: read its files where vLLM found them.
+        model = str(local_model(mc.model, vllm_config.load_config.download_dir, mc.revision))
+        self.producer = Producer(self.config, model, captured[:-1], str(mc.dtype).removeprefix("torch."),
                                  mc.trust_remote_code)
         if captured[-1] != self.producer.manifest("").num_hidden_layers:
             raise InputError(f"captured layers {captured} must end with the verifier's last layer",

@@ -33,11 +33,14 @@ from pathlib import Path
 
 from dspark.config import MooncakeConfig, cli_leaves
 from dspark.errors import DsparkError, InputError
+from dspark.hub import local_model
 
 CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
              "kv_role": "kv_producer"}
 # Flags the launcher sets itself: a second copy after `--` would silently win in vLLM's parser.
-OWNED_FLAGS = {"--speculative-config", "--kv-transfer-config", "--model", "--host", "--port"}
+# (--host and --port are vLLM's: the launcher reads them from after `--` for its /health wait.)
+OWNED_FLAGS = {"--speculative-config", "--kv-transfer-config", "--model"}
+VLLM_DEFAULT_PORT = 8000  # where vLLM serves when no --port is given
 
 
 class LaunchError(DsparkError):
@@ -62,17 +65,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ours, vllm_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="Verifier: a local folder or a hub name (then pass --num-hidden-layers).")
+    p.add_argument("model", help="Verifier: a local folder or a hub id (its config.json is read from the Hugging "
+                   "Face cache, or vLLM's --download-dir; not cached: pass --num-hidden-layers).")
     p.add_argument("--hidden-states-backend", default="mooncake", help="mooncake, zarr or zarr,mooncake.")
     p.add_argument("--store", help="Zarr store folder (needed with the zarr backend).")
     p.add_argument("--data", help="Prepared folder: pins the store identity (needed with zarr).")
     p.add_argument("--verifier-name", help="Recorded in the manifest (default: the model folder's name).")
     p.add_argument("--target-layer-ids", nargs="+", required=True, help="e.g. `24 48 72` or `24,48,72`.")
-    p.add_argument("--num-hidden-layers", type=int, help="Only when MODEL has no local config.json.")
+    p.add_argument("--num-hidden-layers", type=int, help="Only when MODEL is neither a folder nor cached.")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--python", default=sys.executable, help="Interpreter with vLLM (default: this one).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help="vLLM's --host, also accepted after `--` (default: vLLM's, every interface).")
+    p.add_argument("--port", type=int, help=f"vLLM's --port, also accepted after `--` (default {VLLM_DEFAULT_PORT}).")
     p.add_argument("--health-timeout", type=float, default=1800.0, help="Seconds to wait for /health.")
     p.add_argument("--print-only", action="store_true", help="Print the command, env and configs as JSON.")
     # Unset Mooncake flags keep MooncakeConfig's defaults, so they are defined in one place.
@@ -89,13 +93,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, vllm_flags
 
 
-def num_hidden_layers(model: str, given: int | None) -> int:
-    config = Path(model) / "config.json"
-    if not config.is_file():
+def num_hidden_layers(model: str, given: int | None, cache_dir: str | None = None, revision: str | None = None) -> int:
+    """The verifier's layer count, from its config.json: in its folder, or in the Hugging Face cache
+    (`cache_dir`: vLLM's --download-dir) as vLLM finds a hub id; else `given`."""
+    try:
+        config = local_model(model, cache_dir, revision) / "config.json"
+    except InputError as e:
         if given is None:
-            raise InputError(f"{model} is not a local folder with a config.json, so its layer count is unknown",
-                             "pass --num-hidden-layers N (num_hidden_layers from the verifier's config.json)")
+            raise InputError(f"{e.what}, so its layer count is unknown",
+                             "pass --num-hidden-layers N (num_hidden_layers from the verifier's config.json), or "
+                             "put the model where vLLM finds it (HF_HOME, or --download-dir after `--`)") from None
         return given
+    if not config.is_file():
+        raise InputError(f"model folder {config.parent} has no config.json", "pass a Hugging Face model folder")
     cfg = json.loads(config.read_text())
     cfg = cfg.get("text_config", cfg)  # multimodal verifiers keep the language model's config there
     n = cfg.get("num_hidden_layers")
@@ -156,8 +166,11 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
     clash = sorted({f.split("=")[0].replace("_", "-") for f in vllm_flags} & OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
-                         "pass --host/--port/MODEL before `--`; the launcher builds the two configs itself")
-    layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(args.model, args.num_hidden_layers))
+                         "pass MODEL before `--`; the launcher builds the two configs itself")
+    host, port, ours = _address(args, vllm_flags)
+    layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(
+        args.model, args.num_hidden_layers, vllm_flag(vllm_flags, "--download-dir"),
+        vllm_flag(vllm_flags, "--revision")))
     spec = speculative_config(layers)
     kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
     # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`, and
@@ -165,11 +178,37 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
     headless = "--headless" in vllm_flags
     server = (["dspark.extract.vllm_cli", "serve", args.model] if headless
               else ["vllm.entrypoints.openai.api_server", "--model", args.model])
-    command = [args.python, "-m", *server, "--host", args.host, "--port", str(args.port),
-               *(["--trust-remote-code"] if args.trust_remote_code else []),
+    command = [args.python, "-m", *server, *ours, *(["--trust-remote-code"] if args.trust_remote_code else []),
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
-    return {"command": command, "env": cpu_env(), "health": None if headless else health_url(args.host, args.port),
+    return {"command": command, "env": cpu_env(), "health": None if headless else health_url(host, port),
             "speculative_config": spec, "kv_transfer_config": kv}
+
+
+def vllm_flag(vllm_flags: list[str], name: str) -> str | None:
+    """The value vLLM's parser takes for `name` (`--name V` or `--name=V`, `_` for `-` too; the last wins)."""
+    value = None
+    for i, word in enumerate(vllm_flags):
+        flag, eq, rest = word.partition("=")
+        if flag.replace("_", "-") == name:
+            value = rest if eq else (vllm_flags[i + 1] if i + 1 < len(vllm_flags) else None)
+    return value
+
+
+def _address(args: argparse.Namespace, vllm_flags: list[str]) -> tuple[str | None, int, list[str]]:
+    """Where vLLM will listen (host None: vLLM's default, every interface) and the flags the launcher
+    adds for it: --host/--port before `--` are passed on unless vLLM's own (after `--`) give them."""
+    host, port, ours = vllm_flag(vllm_flags, "--host"), vllm_flag(vllm_flags, "--port"), []
+    for name, mine, theirs in (("--host", args.host, host), ("--port", args.port, port)):
+        if mine is not None and theirs is not None and str(mine) != theirs:
+            raise InputError(f"{name} {mine} before `--` and {name} {theirs} after it disagree",
+                             f"give {name} once (after `--`, where vLLM reads it)")
+        if mine is not None and theirs is None:
+            ours += [name, str(mine)]
+    try:
+        port_number = int(port if port is not None else args.port if args.port is not None else VLLM_DEFAULT_PORT)
+    except ValueError:
+        raise InputError(f"--port {port!r} after `--` is not a port number", "pass --port N (e.g. 8000)") from None
+    return host if host is not None else args.host, port_number, ours
 
 
 def speculative_config(layer_ids: list[int]) -> dict:
@@ -192,8 +231,9 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
-def health_url(host: str, port: int) -> str:
-    host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)  # a wildcard bind answers on loopback
+def health_url(host: str | None, port: int) -> str:
+    # A wildcard bind (or vLLM's default, None: every interface) answers on loopback.
+    host = {None: "127.0.0.1", "": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 

@@ -22,7 +22,7 @@ class TrainConfig:
     """`dspark train`'s settings (the seed's `train.py` flags, under their names): each one's only definition."""
 
     data_path: str = setting(help="The prepared folder the store was extracted from.")
-    verifier_name_or_path: str = setting(help="The verifier's local folder.")
+    verifier_name_or_path: str = setting(help="The verifier: a local folder, or a hub id in the Hugging Face cache.")
     save_path: str = setting(help="Run folder (resumed if it exists).")
     target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.")
     source: Literal["zarr", "mooncake"] = setting(
