@@ -19,7 +19,7 @@ dspark extract --to zarr --model "$W/tiny" --data "$W/prepared" --store "$W/ref"
     --target-layer-ids 1 3 5 --dtype float32 --no-progress
 if [ "$TP" -ge 2 ]; then  # TP=2 through the launcher: rank 0 alone writes, every request still finishes
   .venv-vllm/bin/python scripts/launch_vllm.py "$W/tiny" --hidden-states-backend zarr --store "$W/vllm-tp2" \
-      --data "$W/prepared" --target-layer-ids 1 3 5 --port 8765 -- --tensor-parallel-size 2 --dtype float32 &
+      --data "$W/prepared" --target-layer-ids 1 3 5 -- --port 8765 --tensor-parallel-size 2 --dtype float32 &
   LAUNCHER=$!
   until curl -sf localhost:8765/health >/dev/null; do sleep 2; done
   MODEL=$(curl -s localhost:8765/v1/models | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')

