@@ -265,6 +265,7 @@ def serve(model, host, port, to, store, data, target_layer_ids, device, dtype, t
     from dspark.errors import InputError
     from dspark.extract.serve import ExtractionService, make_server
     from dspark.extract.transformers_engine import TransformersEngine
+    from dspark.hub import model_name
     from dspark.prepare import PreparedData
 
     if "zarr" in to and (data is None or store is None):

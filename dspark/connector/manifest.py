@@ -13,10 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
 from dspark.connector.encoding import bytes_per_token
-from dspark.hub import model_name
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded
 from dspark.fingerprint import model_config_hash, tokenizer_hash, weights_hash
+from dspark.hub import model_name
 
 FORMAT_VERSION = 1
 MANIFEST_BYTES = 1 << 20  # the most a manifest.json may hold (one is ~1 KB): a bigger one is not read
