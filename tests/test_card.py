@@ -2,7 +2,9 @@
 
 The card deploys Kimi-K3 (94 layers) over Mooncake on GPU nodes. Here `moonshotai/Kimi-K3` is a
 94-layer toy in a Hugging Face cache built by the test (HF_HOME), where vLLM and dspark find a hub
-id. Only the card's placeholders are filled (its data paths and its hosts); nothing else is edited.
+id. Only the card's placeholders are filled (data paths, hosts, and ports a test machine may have in
+use); nothing else is edited. The launch line is the one issue 26 quotes; prepare and train are the seed's
+lines as this project has held them since its first tests.
 """
 
 import json
