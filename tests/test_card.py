@@ -11,7 +11,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,7 +24,7 @@ from dspark.model_card import docker_command
 from dspark.net import free_port
 from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
 from dspark.train.config import TrainConfig
-from test_live import VLLM_PY, stop
+from test_live import VLLM_PY, _port_open, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -135,8 +134,7 @@ def start_master() -> tuple[subprocess.Popen, str]:
     argv = card("master", **{"50051": rpc, "9003": metrics})
     proc = subprocess.Popen([master_binary(), *argv[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", rpc)) == 0 or proc.poll() is not None, 20,
-             "the master's rpc port")
+    wait_for(lambda: _port_open(rpc) or proc.poll() is not None, 20, "the master's rpc port")
     assert proc.poll() is None, "mooncake_master exited"
     return proc, f"127.0.0.1:{rpc}"
 
@@ -226,7 +224,7 @@ def test_the_launch_line_starts_vllm_here_and_waits_on_the_port_after_dashdash(h
         stop(launcher, signal.SIGTERM)  # the launcher takes vLLM's whole group down with it
         stop(master)
     assert launcher.returncode in (0, 128 + signal.SIGTERM)  # vLLM shuts down cleanly on SIGTERM
-    assert socket.socket().connect_ex(("127.0.0.1", port)) != 0  # nothing left serving
+    assert not _port_open(port)  # nothing left serving
 
 
 # The deployment line's speculative config, checked against the installed vLLM's SpeculativeConfig fields.
