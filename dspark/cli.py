@@ -387,12 +387,14 @@ def export_cmd(checkpoint, output, verifier_name, force):
 @click.option("--store", default=None, help="The run's store, if it moved.")
 @click.option("--tolerance", type=FiniteFloatRange(min=0), default=0.0, show_default=True,
               help="Relative/absolute (GPU runs).")
+@click.option("--logger", default="jsonl", show_default=True,
+              help="Trackers the replay logs to, as `train --logger` (default: none, only its metrics.jsonl).")
 @click.option("--no-progress", is_flag=True)
-def replay_cmd(run, store, tolerance, no_progress):
+def replay_cmd(run, store, tolerance, logger, no_progress):
     """Retrain RUN from its record and prove every logged metric reproduces."""
     from dspark.replay import replay
 
-    result = replay(run, store, tolerance, progress=not no_progress)
+    result = replay(run, store, tolerance, progress=not no_progress, logger=logger)
     _echo_json(result)
     if result["reproduced"]:
         click.secho(f"REPRODUCED: {result['records']} records, {result['metrics_compared']} metrics match", fg="green")

@@ -25,6 +25,7 @@ import torch
 from dspark.errors import InputError
 from dspark.files import replacing, write_atomic
 from dspark.jsonio import dump_json
+from dspark.tracking.run import log_results
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # Blocks scored per eval, over all batches: a rate's standard error is at most 0.5/sqrt(2048) = 0.011,
@@ -195,6 +196,16 @@ def summarize(match, accept, conf, mask, ctx) -> dict:
             "positions": positions, "by_context": buckets}
 
 
+def tracked(result: dict) -> dict[str, float]:
+    """The figures a tracker charts per checkpoint: tau and per-position acceptance on the split."""
+    pre = f"eval/{result['split']}"
+    out = {f"{pre}/tau_greedy": result["tau_greedy"], f"{pre}/tau_analytic": result["tau_analytic"]}
+    for p in result["positions"]:
+        out.update({f"{pre}/position_{p['position']}_{k}": p[k]
+                    for k in ("greedy_match", "analytic_accept", "confidence") if k in p})
+    return out
+
+
 def _sample_note(result: dict) -> str:
     a = result.get("anchors")  # reports written before anchors were sampled have none
     if not a or a["scored"] >= a["available"]:
@@ -304,4 +315,5 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
         print(f"warning: {data.damaged_report()}", file=sys.stderr)
     out = Path(output) if output else ckpt / "eval"
     write_report(result, out, "eval", markdown, plot, f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
+    log_results(ckpt, tracked(result), [out / "eval.png"])
     return result, out

@@ -20,6 +20,7 @@ from dspark.errors import InputError, StoreMismatch
 from dspark.train.checkpoint import RunDir
 from dspark.train.config import TrainConfig
 from dspark.train.metrics import MetricLog
+from dspark.tracking.config import ALWAYS
 
 
 def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: float) -> str | None:
@@ -38,7 +39,9 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
     return None
 
 
-def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True) -> dict:
+def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True,
+           logger: str = ALWAYS) -> dict:
+    """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `logger` names some."""
     from dspark.connector.zarr_store import ZarrStore
     from dspark.train.loop import Trainer
 
@@ -46,7 +49,7 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
     rec = rd.record()
     if rec is None:
         raise InputError(f"{run} is not a dspark run folder (no config.json)", "pass the --save-path of a run")
-    recorded = MetricLog(rd.metrics_path, tensorboard=False).read()
+    recorded = MetricLog(rd.metrics_path).read()
     if not recorded:
         raise InputError(f"run {run} logged no metrics yet", "replay a run that trained at least --log-freq steps")
     cfg = TrainConfig.from_dict(rec["train"])
@@ -61,12 +64,13 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
                             "replay against the original store (pass --store if it moved)")
     n = len(list((rd.root / "replays").glob("*"))) if (rd.root / "replays").exists() else 0
     out = rd.root / "replays" / f"{n:03d}"
-    cfg = replace(cfg, save_path=str(out), max_steps=max(r["step"] for r in recorded))
+    cfg = replace(cfg, save_path=str(out), max_steps=max(r["step"] for r in recorded),
+                  tracking=replace(cfg.tracking, logger=logger))
     skipped = rec.get("skipped") or {}
     trainer = Trainer(cfg, progress=progress)
     trainer.data.reproduce(skipped)
     trainer.fit()
-    replayed = MetricLog(out / "metrics.jsonl", tensorboard=False).read()
+    replayed = MetricLog(out / "metrics.jsonl").read()
     where = first_divergence(recorded, replayed, tolerance)
     note = _skips_note(rec, recorded)
     if where and note:  # a DIVERGED line that says what the replay knew about the difference

@@ -22,9 +22,9 @@ fi
 . .venv/bin/activate
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # -I: not from this folder, whose docker/ would pass for the docker package
-if ! python -I -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store, docker, gguf, accelerate" 2>/dev/null; then
+if ! python -I -c "import dspark, speculators, torch, pytest, pytest_timeout, mooncake.store, docker, gguf, accelerate, tensorboard, mlflow, wandb, trackio" 2>/dev/null; then
   pip install -q "torch==2.13.0"
-  pip install -q -e ".[dev,mooncake]" "torchvision==0.28.*" "torchaudio==2.11.1"
+  pip install -q -e ".[dev,mooncake,trackers]" "torchvision==0.28.*" "torchaudio==2.11.1"
   pip uninstall -q -y torchvision torchaudio
 fi
 python -c "from importlib.metadata import version as v; print(f\"dspark {v('dspark')} ready: torch {v('torch')}, speculators {v('speculators')}\")"

@@ -100,7 +100,7 @@ def fit(c, **kw) -> list[dict]:
     from dspark.train.metrics import MetricLog
 
     Trainer(c, progress=False, **kw).fit()
-    return MetricLog(Path(c.save_path) / "metrics.jsonl", tensorboard=False).read()
+    return MetricLog(Path(c.save_path) / "metrics.jsonl").read()
 
 
 @pytest.fixture(scope="session")

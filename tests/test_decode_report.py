@@ -75,7 +75,7 @@ def test_result_files_are_strict_json_with_an_undefined_value_as_null(tmp_path):
                  "t")
     assert _strict((tmp_path / "decode.json").read_text()) == {"speedup": None, "rates": [1.0, None]}
 
-    log = MetricLog(tmp_path / "metrics.jsonl", tensorboard=False)
+    log = MetricLog(tmp_path / "metrics.jsonl")
     log.write({"step": 1, "split": "train", "metrics": {"loss": math.nan, "tau": 1.5}})
     assert [_strict(line) for line in log.path.read_text().splitlines()] == [
         {"step": 1, "split": "train", "metrics": {"loss": None, "tau": 1.5}}]

@@ -246,7 +246,7 @@ def test_training_skips_damaged_samples_counts_and_names_them(damaged_store, pre
     err = capsys.readouterr().err  # ...and named at the end, with the repair command
     assert f"warning: {len(damaged)} damaged samples skipped (ids {', '.join(map(str, sorted(damaged)[:20]))}" in err
     assert f"dspark store repair {root} --data {prepared} --model {verifier}" in err
-    records = MetricLog(tmp_path / "run" / "metrics.jsonl", tensorboard=False).read()
+    records = MetricLog(tmp_path / "run" / "metrics.jsonl").read()
     train = [r for r in records if r["split"] == "train"]
     assert train and all(np.isfinite(r["metrics"]["loss"]) for r in train)
     assert train[-1]["damaged_skipped"] > 0

@@ -66,7 +66,7 @@ def test_two_identical_trains_at_once_one_is_refused_and_every_step_is_logged_on
     assert first.returncode == 0, err[-3000:]
     assert second.returncode == 2 and f"is in use by pid {first.pid} on {socket.gethostname()}" in second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
-    records = MetricLog(run / "metrics.jsonl", tensorboard=False).read()
+    records = MetricLog(run / "metrics.jsonl").read()
     assert train_records(records) == train_records(reference)  # each step once, as an uninterrupted run logs it
 
 
@@ -283,5 +283,5 @@ def test_a_loss_that_turns_nan_stops_the_run_naming_the_step_and_keeps_the_last_
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000008"]
     assert (run / "latest").resolve().name == "step-000008"
     assert all(torch.isfinite(w).all() for w in load_file(run / "latest" / "model.safetensors").values())
-    assert all(r["step"] <= 10 for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read())
+    assert all(r["step"] <= 10 for r in MetricLog(run / "metrics.jsonl").read())
     RunDir(run).lock().release()  # the stopped run let go of its folder

@@ -173,7 +173,7 @@ def test_two_process_gloo_run_trains(store, prepared, verifier, tmp_path):
          "--markov-rank", "16", "--total-seq-len", "512", "--epochs", "1", "--log-freq", "2", "--lr", "3e-3",
          "--no-progress", "--device", "cpu"], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    records = MetricLog(tmp_path / "ddp" / "metrics.jsonl", tensorboard=False).read()
+    records = MetricLog(tmp_path / "ddp" / "metrics.jsonl").read()
     rec = json.loads((tmp_path / "ddp" / "config.json").read_text())
     assert rec["world_size"] == 2 and records and records[-1]["split"] == "val"
     assert (tmp_path / "ddp" / "latest" / "model.safetensors").exists()
@@ -202,7 +202,7 @@ def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd(tmp_path / "ref"), check=True, capture_output=True, env=env)
-    reference = MetricLog(tmp_path / "ref" / "metrics.jsonl", tensorboard=False).read()
+    reference = MetricLog(tmp_path / "ref" / "metrics.jsonl").read()
     run = tmp_path / "killed"
     proc = subprocess.Popen(cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
@@ -211,17 +211,17 @@ def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared
         if not latest.exists():
             return False
         ckpt_step = int(latest.resolve().name.split("-")[1])
-        return any(r["step"] > ckpt_step + 1 for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read())
+        return any(r["step"] > ckpt_step + 1 for r in MetricLog(run / "metrics.jsonl").read())
 
     deadline = time.time() + 300
     while not logged_past_checkpoint() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert len(MetricLog(run / "metrics.jsonl", tensorboard=False).read()) < len(reference)
+    assert len(MetricLog(run / "metrics.jsonl").read()) < len(reference)
     resumed = subprocess.run(cmd(run), capture_output=True, text=True, env=env)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr
-    assert [r["metrics"] for r in MetricLog(run / "metrics.jsonl", tensorboard=False).read()] == \
+    assert [r["metrics"] for r in MetricLog(run / "metrics.jsonl").read()] == \
            [r["metrics"] for r in reference]
 
 

@@ -53,6 +53,22 @@ def by_subdomain(traces: Iterable[tuple[str | None, Trace]], n_spec: int) -> dic
     return {sub: summarize(ts, n_spec) for sub, ts in groups.items()}
 
 
+def tracked(result: dict) -> dict[str, float]:
+    """The figures a tracker charts per checkpoint: per set, mean acceptance length, per-position acceptance,
+    speedup and tokens/s, with confidence cuts and per sub-domain (MT-bench categories) where decoded."""
+    out = {}
+    for d in result["datasets"]:
+        pre, s = f"eval/decode/{d['name']}", d["decoded"]
+        out.update({f"{pre}/mean_acceptance_length": s["mean_acceptance_length"], f"{pre}/speedup": d["speedup"],
+                    f"{pre}/tokens_per_s": s["tokens_per_s"]})
+        out.update({f"{pre}/position_{p['position']}_rate": p["rate"] for p in s["positions"]})
+        if "confident" in d:
+            out[f"{pre}/confident/mean_acceptance_length"] = d["confident"]["mean_acceptance_length"]
+        out.update({f"{pre}/{sub}/mean_acceptance_length": v["mean_acceptance_length"]
+                    for sub, v in d["by_subdomain"].items()})
+    return out
+
+
 def _rates(s: dict) -> str:
     return " | ".join(f"{p['rate']:.3f}" for p in s["positions"])
 

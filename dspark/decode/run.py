@@ -111,11 +111,12 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.decode.drafter import Drafter
     from dspark.decode.loop import autoregressive, speculative
     from dspark.decode.prompts import LONG_BUCKETS, load_prompt_set
-    from dspark.decode.report import long_context_rows, markdown, plot
+    from dspark.decode.report import long_context_rows, markdown, plot, tracked
     from dspark.decode.verifier import Verifier
     from dspark.evaluate import load_checkpoint, write_report
     from dspark.prepare import load_tokenizer
     from dspark.train.checkpoint import require_checkpoint
+    from dspark.tracking.run import log_results
     from dspark.train.config import TrainConfig
 
     cfg.validate()
@@ -161,4 +162,5 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
         d["too_long"] = {f"{s or '-'}/{b}": v for (s, b), v in d["too_long"].items()}
     out = Path(output) if output else ckpt / "eval"
     write_report(result, out, "decode", markdown, plot, f"{run_root.name}/{ckpt.name}: speculative decoding")
+    log_results(ckpt, tracked(result), [out / "decode.png"])
     return result, out

@@ -9,12 +9,13 @@ from typing import Literal
 
 from dspark.config import LiveConfig, build, check_settings, setting
 from dspark.errors import InputError
+from dspark.tracking.config import TrackingConfig
 
 # Keys that may change when resuming or replaying without changing the result.
 # The source too: a live run's cache holds exactly the samples it trained on.
 # So is the damage policy: on an intact store it never acts, and what it skips is named.
 RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
-                  "on_damaged", "keep_in_memory_gib"}
+                  "on_damaged", "keep_in_memory_gib", "tracking"}
 
 
 @dataclass
@@ -81,9 +82,11 @@ class TrainConfig:
     on_damaged: Literal["skip", "raise"] = setting(
         "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
     live: LiveConfig = setting(factory=LiveConfig, prefixed=False)  # --from mooncake; the seed's flag names
+    tracking: TrackingConfig = setting(factory=TrackingConfig, prefixed=False)  # --logger, as speculators names it
 
     def validate(self) -> TrainConfig:
         check_settings(self)
+        self.tracking.trackers()
         if self.total_seq_len < 2 * self.block_size:
             raise InputError(f"--total-seq-len {self.total_seq_len} is shorter than two blocks of "
                              f"--block-size {self.block_size}", f"use --total-seq-len >= {2 * self.block_size}")

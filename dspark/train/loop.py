@@ -34,6 +34,7 @@ from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rn
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
+from dspark.tracking.run import Tracking, flatten, require_installed
 from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs
 
 
@@ -134,6 +135,9 @@ class Trainer:
             raise
 
     def _setup(self, cfg: TrainConfig, force: bool, progress: bool) -> None:
+        self.tracking = None
+        if self.dist.main:  # a tracker named but not installed: one line now, not after loading everything
+            require_installed(cfg.tracking.trackers())
         self.device = pick_device(cfg.device, self.dist.local_rank)
         self.progress = progress and self.dist.main
         seed_everything(cfg.seed)
@@ -164,6 +168,9 @@ class Trainer:
         if self.dist.main and self.state["step"] > 0 and self.log.truncate_after(self.state["step"]):
             print(f"{self.log.path}: dropped a half-written last line (a write cut short by a kill or a "
                   "full disk); the resumed run logs it again", file=sys.stderr)
+        if self.dist.main:
+            self.tracking = Tracking.for_training(self.run.root, cfg.tracking, flatten(cfg.to_dict()), self._tags(),
+                                                  self.log.read())
         self.wrapped = self.model
         if self.dist.world > 1:
             self.wrapped = torch.nn.parallel.DistributedDataParallel(
@@ -171,9 +178,22 @@ class Trainer:
                 find_unused_parameters=True)
 
     def unlock(self) -> None:
-        """Let go of the run folder (fit() does, however it ends)."""
+        """Let go of the run folder (fit() does, however it ends), after the trackers had their last records."""
+        if self.tracking is not None:
+            self.tracking.close()
         if self.lock is not None:
             self.lock.release()
+
+    def _tags(self) -> dict:
+        """What a tracker shows beside the config: versions and what the run trained on."""
+        rec = self.run.record()
+        return {"run_folder": str(self.run.root.resolve()), "store_fingerprint": rec["store_fingerprint"],
+                "prepared_fingerprint": rec["prepared_fingerprint"],
+                **{f"version.{k}": v for k, v in rec["versions"].items()}}
+
+    def _log(self, record: dict) -> None:
+        self.log.write(record)
+        self.tracking.log(record)
 
     def _pass(self, name: str) -> str:
         """A data pass's name in the record of skipped samples; each rank skips on its own."""
@@ -288,13 +308,14 @@ class Trainer:
                 self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint(),
                                        "skipped": {k: v for _, _, s in ranks for k, v in s.items()}})
             if val is not None:
-                self.log.write({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val",
-                                "metrics": val})
-            self.run.save(self.state["step"], self.model, {
+                self._log({"step": self.state["step"], "epoch": self.state["epoch"], "split": "val",
+                           "metrics": val})
+            saved = self.run.save(self.state["step"], self.model, {
                 "state": dict(self.state), "rng": [r for r, _, _ in ranks], "windows": [w for _, w, _ in ranks],
                 "skipped": [s for _, _, s in ranks],
                 "optimizers": [o.state_dict() for o in self.opts],
                 "schedulers": [s.state_dict() for s in self.scheds]}, best)
+            self.tracking.artifact(saved)
         self.timing["save_s"].append(time.perf_counter() - start)
         self.saved_step = self.state["step"]
         if self.dist.world > 1:
@@ -349,7 +370,7 @@ class Trainer:
                             record["live"] = self.source.stats
                         if self.data.damaged:
                             record["damaged_skipped"] = len(self.data.damaged)
-                        self.log.write(record)
+                        self._log(record)
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics.get('accept_len', 0):.2f}")
                     self.window = {}
                 # Checkpoints are named by their step: a stretch of batches all skipped (a live source that was

@@ -1,4 +1,4 @@
-"""Metric reduction and the run's metrics log (JSONL, plus TensorBoard when installed)."""
+"""Metric reduction and the run's metrics log (JSONL: the record replay compares; trackers mirror it)."""
 
 from __future__ import annotations
 
@@ -44,16 +44,8 @@ def all_reduce(acc: dict[str, float], device) -> dict[str, float]:
 class MetricLog:
     """Append-only JSONL: one record per log point, `metrics` compared by replay, `timing` not."""
 
-    def __init__(self, path: Path, tensorboard: bool = True):
+    def __init__(self, path: Path):
         self.path = path
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(path.parent / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                pass
 
     def truncate_after(self, step: int) -> bool:
         """Drop records a killed run logged past its last checkpoint; resume logs them again.
@@ -73,10 +65,6 @@ class MetricLog:
             raise CheckpointError(f"could not append to {self.path}: {e.strerror or e}",
                                   "free disk space and rerun the same command: training resumes from its "
                                   "latest checkpoint") from e
-        if self._tb is not None:
-            for k, v in record["metrics"].items():
-                self._tb.add_scalar(f"{record['split']}/{k}", v, record["step"])
-            self._tb.flush()
 
     def read(self) -> list[dict]:
         """Every record; a line that is not a whole record is an error naming the file and line."""

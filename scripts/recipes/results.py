@@ -82,7 +82,7 @@ def gather(root: Path) -> dict:
 
 def _curve(metrics: Path) -> dict | None:
     """Validation accept length (speculators' analytic tau) over training, and the last train figure beside it."""
-    records = MetricLog(metrics, tensorboard=False).read()
+    records = MetricLog(metrics).read()
     if not records:
         return None
     val = [(r["step"], r["metrics"]["accept_len"]) for r in records if r["split"] == "val"]

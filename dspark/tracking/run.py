@@ -1,0 +1,183 @@
+"""A run's trackers: started, fed and closed on one background thread, so none ever holds up training.
+
+RUN/trackers.json names each tracker's run (MLflow run id, wandb id, ...), so a resumed `train` and
+`dspark eval` log into the runs the first start opened. A tracker says which step it last holds per split;
+what it lacks is sent from metrics.jsonl and what it holds is not sent again. After a kill -9 and a resume
+it shows one curve with each step once (training is deterministic: a step logged again has the same value).
+
+A tracker that fails (its server down, its folder full) is named once on stderr and gets nothing more;
+training goes on, and metrics.jsonl keeps every metric.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import queue
+import re
+import sys
+import threading
+from pathlib import Path
+
+from dspark.errors import InputError
+from dspark.files import write_atomic
+from dspark.jsonio import dump_json
+from dspark.tracking.backends import BACKENDS, Backend
+from dspark.tracking.config import TrackingConfig
+
+IDENTITY = "trackers.json"
+CLOSE_SECONDS = 60.0  # the most a finished run waits for its trackers to flush
+
+
+def scalars(record: dict) -> dict[str, float]:
+    """A metrics.jsonl record as tracker scalars: `train/loss`, `train/timing/data_wait_fraction`, `val/...`."""
+    flat = {"epoch": record["epoch"], **record["metrics"],
+            **{f"{group}/{k}": v for group in ("timing", "live") for k, v in record.get(group, {}).items()}}
+    if "damaged_skipped" in record:
+        flat["damaged_skipped"] = record["damaged_skipped"]
+    return {f"{record['split']}/{k}": float(v) for k, v in flat.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}  # None: a non-finite value, not logged
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested settings as `live.mooncake.master`-style keys (how trackers list parameters)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_identity(root: Path) -> dict[str, dict]:
+    path = Path(root) / IDENTITY
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def installed(name: str) -> bool:
+    return importlib.util.find_spec(BACKENDS[name].module) is not None
+
+
+def require_installed(names: list[str]) -> None:
+    for name in names:
+        if not installed(name):
+            raise InputError(f"--logger {name}: the {BACKENDS[name].module} package is not installed",
+                             f"pip install 'dspark[{name}]' (or drop {name} from --logger)")
+
+
+def log_results(ckpt: Path, values: dict[str, float], images: list[Path]) -> None:
+    """Eval results of a checkpoint into the trackers of its run, at the checkpoint's step (none: nothing)."""
+    root, step = ckpt.parent.parent, re.fullmatch(r"step-(\d+)", ckpt.name)
+    if step is None or not read_identity(root):  # a bare checkpoint, or a run that logged to no tracker
+        return
+    tracking = Tracking.for_results(root)
+    tracking.results(int(step[1]), values, [p for p in images if p.exists()])
+    tracking.close()
+
+
+def _warn(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+class Tracking:
+    """The trackers of one run folder, driven from a queue by a daemon thread.
+
+    `log` and `artifact` only enqueue: a tracker waiting on its network costs the training loop nothing.
+    `close` waits at most CLOSE_SECONDS for what is queued to reach the trackers.
+    """
+
+    def __init__(self, root: str | Path, backends: list[Backend], params: dict | None = None,
+                 tags: dict | None = None, history: list[dict] = (), kept: str = ""):
+        self.root = Path(root)
+        self.kept = kept  # what still holds everything when a tracker fails
+        self.backends = backends
+        self.live = list(backends)  # those still working: a failed one is dropped
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, args=(params, tags, list(history)), daemon=True,
+                                        name="dspark-trackers")
+        if backends:
+            self._thread.start()
+
+    @classmethod
+    def for_training(cls, root: str | Path, cfg: TrackingConfig, params: dict, tags: dict,
+                     history: list[dict]) -> Tracking:
+        """`--logger`'s trackers, continuing the runs trackers.json names; a tracker not installed is one line."""
+        names = cfg.trackers()
+        require_installed(names)
+        ids = read_identity(Path(root))
+        return cls(root, [BACKENDS[n](Path(root), cfg, ids.get(n)) for n in names], params, tags, history,
+                   f"training goes on, and {Path(root) / 'metrics.jsonl'} keeps every metric")
+
+    @classmethod
+    def for_results(cls, root: str | Path) -> Tracking:
+        """The trackers a run logged to (its trackers.json), for eval results; one not installed here is said."""
+        ids = read_identity(Path(root))
+        missing = [n for n in ids if n not in BACKENDS or not installed(n)]
+        if missing:
+            _warn(f"{', '.join(missing)} not installed here: these results are not logged there (pip install "
+                  f"'dspark[{missing[0]}]')")
+        return cls(root, [BACKENDS[n](Path(root), None, ids[n]) for n in ids if n not in missing],
+                   kept="the results stay in their JSON files")
+
+    def log(self, record: dict) -> None:
+        """One metrics.jsonl record."""
+        if self.backends:
+            self._queue.put(("record", record))
+
+    def artifact(self, folder: Path) -> None:
+        """A checkpoint folder (sent where --log-checkpoints asked for it)."""
+        if self.backends:
+            self._queue.put(("artifact", folder))
+
+    def results(self, step: int, values: dict[str, float], images: list[Path]) -> None:
+        """Eval results of the checkpoint at `step`, and their plots."""
+        if self.backends:
+            self._queue.put(("results", (values, step, images)))
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+        self._queue.put(None)
+        self._thread.join(CLOSE_SECONDS)
+        if self._thread.is_alive():
+            _warn(f"trackers {', '.join(b.name for b in self.live)} still busy after {CLOSE_SECONDS:.0f} s; left "
+                  "unfinished (RUN/metrics.jsonl has every metric)")
+
+    # --- on the tracker thread ---------------------------------------------------------------
+    def _work(self, params: dict | None, tags: dict | None, history: list[dict]) -> None:
+        started = {b.name: ident for b in list(self.live) if (ident := self._call(b, "start", b.start, params, tags))}
+        if params is not None and started:  # what eval and a resume reopen
+            write_atomic(self.root / IDENTITY, dump_json({**read_identity(self.root), **started}, indent=2))
+        held = {b.name: self._call(b, "read back its steps", b.last_steps) for b in list(self.live)}
+        for record in history:
+            self._record(record, held)
+        while (item := self._queue.get()) is not None:
+            kind, payload = item
+            if kind == "record":
+                self._record(payload, held)
+            for b in list(self.live):
+                if kind == "artifact" and b.log_checkpoints:
+                    self._call(b, f"log {payload.name}", b.log_artifact, payload)
+                elif kind == "results":
+                    self._call(b, "log eval results", b.log_results, *payload)
+        for b in list(self.live):
+            self._call(b, "finish", b.close)
+
+    def _record(self, record: dict, held: dict[str, dict[str, int]]) -> None:
+        values = scalars(record)
+        for b in list(self.live):
+            if record["step"] > held[b.name].get(record["split"], -1):
+                self._call(b, f"log step {record['step']}", b.log, values, record["step"])
+
+    def _call(self, b: Backend, what: str, fn, *args):
+        """`fn(*args)`, or None after a one-time warning, and no more calls to `b`."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001  (any tracker failure: the run goes on without it)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            _warn(f"tracker {b.name} could not {what} ({type(e).__name__}: {first}); it gets nothing more from "
+                  f"this run: {self.kept}")
+            if b in self.live:
+                self.live.remove(b)
+            return None
