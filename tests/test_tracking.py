@@ -287,3 +287,17 @@ def test_a_hung_tracker_server_never_holds_training_up(store, prepared, verifier
     assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4]
     assert took < 60  # MLflow's own wait on an unanswered request is 120 s a try
     assert "trackers mlflow still busy after 1 s" in capfd.readouterr().err
+
+
+def test_a_tracker_whose_disk_fills_up_warns_once_and_training_finishes(store, prepared, verifier, tmp_path, tiny_fs,
+                                                                         capfd):
+    import shutil
+
+    room = 384 * 1024  # enough for the MLflow run to start (a page per parameter file), not for its metrics
+    (tiny_fs / "filler").write_bytes(b"\0" * (shutil.disk_usage(tiny_fs).free - room))
+    c = train_cfg(store, prepared, verifier, tmp_path / "r", max_steps=6,
+                  tracking={"logger": "mlflow", "tracking_uri": (tiny_fs / "mlruns").as_uri()})
+    records = fit(c)
+    assert [r["step"] for r in records if r["split"] == "train"] == [1, 2, 3, 4, 5, 6]
+    err = capfd.readouterr().err
+    assert err.count("warning: tracker mlflow") == 1 and "No space left on device" in err, err[-2000:]

@@ -84,7 +84,7 @@ class TensorBoard(Backend):
 
         acc = EventAccumulator(str(self.dir), size_guidance={"scalars": 0})
         acc.Reload()
-        return _split_steps((tag, acc.Scalars(tag)[-1].step) for tag in acc.Tags()["scalars"])
+        return _split_steps((tag, e.step) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag))
 
     def log(self, values, step):
         for k, v in values.items():

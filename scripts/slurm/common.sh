@@ -40,6 +40,9 @@
 : "${EPOCHS:=2}"
 : "${LR:=1e-3}"
 : "${TOTAL_SEQ_LEN:=1024}"
+# Experiment trackers: jsonl (always on), tensorboard, mlflow, wandb, trackio (comma-separated);
+# offline in the run folder by default (trackio: TRACKIO_DIR), see `dspark train --help`.
+: "${LOGGER:=jsonl}"
 [ -n "${LOSS_FN:-}" ] || LOSS_FN='{"ce":0.1,"tv":0.9}'
 : "${TRAIN_ARGS:=--speculator-type dspark --block-size 8 --max-anchors 64 --dflash-decay-gamma 4.0 --markov-rank 32 --markov-head-type vanilla --enable-confidence-head --confidence-head-with-markov --confidence-head-alpha 1.0 --optimizer muon --scheduler-type cosine --scheduler-warmup-ratio 0.03 --checkpoint-freq 0.5 --train-data-ratio 0.9 --log-freq 10 --seed 0}"
 : "${STOP_GRACE:=60}"                           # seconds each server gets to stop before SIGKILL
@@ -105,4 +108,4 @@ LAYERS=${TARGET_LAYER_IDS// /,}
 TRAIN_CMD=("$VENV/bin/torchrun" --standalone --nnodes 1 --nproc-per-node "$TRAIN_NPROC" "$VENV/bin/dspark" train
            --verifier-name-or-path "$MODEL" --data-path "$DATA_PATH" --save-path "$SAVE_PATH"
            --target-layer-ids "$LAYERS" --epochs "$EPOCHS" --lr "$LR" --total-seq-len "$TOTAL_SEQ_LEN"
-           --loss-fn "$LOSS_FN" $TRAIN_ARGS)
+           --loss-fn "$LOSS_FN" --logger "$LOGGER" $TRAIN_ARGS)

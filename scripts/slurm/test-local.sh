@@ -29,7 +29,7 @@ export MODEL=$W/models/tiny DATA_PATH=$W/prepared TARGET_LAYER_IDS="1 3 5" EXTRA
   EXTRACT_ARGS="--enforce-eager --max-model-len 1024" HEALTH_TIMEOUT=300 \
   MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT \
   MOONCAKE_GLOBAL_SEGMENT_GIB=0 MOONCAKE_LOCAL_BUFFER_GIB=0.25 MOONCAKE_WRITER_THREADS=2 TRAIN_SEGMENT_GIB=0.25 \
-  TRAIN_NPROC=1 EPOCHS=2 LR=3e-3 STOP_GRACE=30 \
+  TRAIN_NPROC=1 EPOCHS=2 LR=3e-3 STOP_GRACE=30 LOGGER=tensorboard,mlflow \
   TRAIN_ARGS="--max-anchors 64 --markov-rank 32 --enable-confidence-head --confidence-head-with-markov --checkpoint-freq 0.25 --log-freq 5 --seed 0"
 echo "toy inputs ready in $((SECONDS - t0))s ($W)"
 
@@ -80,6 +80,17 @@ assert (run / "latest" / "model.safetensors").exists(), "no final checkpoint"
 live = train[-1]["live"]  # the resumed job's counters
 # Samples cached before the cancel are read from the cache, never extracted again.
 assert live["cache_hits"] > 0 and live["generated"] <= after - before, (live, before, after)
+# The trackers the settings name continued the same runs across the cancel: each step once, as logged.
+import os
+from mlflow import MlflowClient
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+ids = json.loads((run / "trackers.json").read_text())
+history = MlflowClient(ids["mlflow"]["tracking_uri"]).get_metric_history(ids["mlflow"]["run_id"], "train/loss")
+assert sorted(m.step for m in history) == steps, [m.step for m in history]
+tb = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+tb.Reload()
+assert [e.step for e in tb.Scalars("train/loss")] == steps
 print(f"live: resumed and finished at step {steps[-1]} (loss {train[-1]['metrics']['loss']:.4f}); {before} samples cached "
       f"before the cancel, {live['cache_hits']} cache hits and {live['generated']} extractions after it")
 PY
