@@ -203,24 +203,25 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
                                                                           tmp_path):
     run = tmp_path / "killed"
     argv = [sys.executable, "-m", "dspark.cli",
-            *map(str, train_argv(store, prepared, verifier, run, "--checkpoint-freq", "0.25", "--logger", ALL))]
+            *map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
+                                 "--logger", ALL))]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    def logged_past_checkpoint() -> bool:
-        latest = run / "latest"
-        if not latest.exists() or not (run / "trackers.json").exists():
+    def checkpoint_step() -> int:
+        return int((run / "latest").resolve().name.split("-")[1])
+
+    def tracker_past_checkpoint() -> bool:  # MLflow holds steps the resume computes again
+        if not (run / "latest").exists() or not (run / "trackers.json").exists():
             return False
-        step = int(latest.resolve().name.split("-")[1])
-        return any(r["step"] > step + 2 for r in MetricLog(run / "metrics.jsonl").read())
+        steps = [s for s, _ in mlflow_series(run).get("train/loss", [])]
+        return bool(steps) and max(steps) > checkpoint_step() + 1
 
     deadline = time.time() + 300
-    while not logged_past_checkpoint() and proc.poll() is None and time.time() < deadline:
+    while not tracker_past_checkpoint() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    time.sleep(1.0)  # let the trackers hold steps past the checkpoint, which the resume logs again
     os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert max(s for s, _ in mlflow_series(run)["train/loss"]) > int((run / "latest").resolve().name.split("-")[1])
+    assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert max(s for s, _ in mlflow_series(run)["train/loss"]) > checkpoint_step()
     resumed = subprocess.run(argv, capture_output=True, text=True)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-2000:]
     want = expected(run)

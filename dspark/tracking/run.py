@@ -1,4 +1,4 @@
-"""A run's trackers: started, fed and closed on one background thread, so none ever holds up training.
+"""A run's trackers: each started, fed and closed on its own thread, so none ever holds up training.
 
 RUN/trackers.json names each tracker's run (MLflow run id, wandb id, ...), so a resumed `train` and
 `dspark eval` log into the runs the first start opened. A tracker says which step it last holds per split;
@@ -17,6 +17,7 @@ import queue
 import re
 import sys
 import threading
+import time
 from pathlib import Path
 
 from dspark.errors import InputError
@@ -81,23 +82,18 @@ def _warn(text: str) -> None:
 
 
 class Tracking:
-    """The trackers of one run folder, driven from a queue by a daemon thread.
+    """The trackers of one run folder, each fed from its own queue by its own daemon thread.
 
-    `log` and `artifact` only enqueue: a tracker waiting on its network costs the training loop nothing.
-    `close` waits at most CLOSE_SECONDS for what is queued to reach the trackers.
+    `log`, `artifact` and `results` only enqueue: a tracker waiting on its network costs the training loop,
+    and the other trackers, nothing. `close` waits at most CLOSE_SECONDS for what is queued to reach them.
     """
 
     def __init__(self, root: str | Path, backends: list[Backend], params: dict | None = None,
                  tags: dict | None = None, history: list[dict] = (), kept: str = ""):
         self.root = Path(root)
         self.kept = kept  # what still holds everything when a tracker fails
-        self.backends = backends
-        self.live = list(backends)  # those still working: a failed one is dropped
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, args=(params, tags, list(history)), daemon=True,
-                                        name="dspark-trackers")
-        if backends:
-            self._thread.start()
+        self._lock = threading.Lock()  # trackers.json: each feed adds its tracker's run
+        self.feeds = [_Feed(self, b, params, tags, list(history)) for b in backends]
 
     @classmethod
     def for_training(cls, root: str | Path, cfg: TrackingConfig, params: dict, tags: dict,
@@ -122,62 +118,85 @@ class Tracking:
 
     def log(self, record: dict) -> None:
         """One metrics.jsonl record."""
-        if self.backends:
-            self._queue.put(("record", record))
+        self._put(("record", record))
 
     def artifact(self, folder: Path) -> None:
         """A checkpoint folder (sent where --log-checkpoints asked for it)."""
-        if self.backends:
-            self._queue.put(("artifact", folder))
+        self._put(("artifact", folder))
 
     def results(self, step: int, values: dict[str, float], images: list[Path]) -> None:
         """Eval results of the checkpoint at `step`, and their plots."""
-        if self.backends:
-            self._queue.put(("results", (values, step, images)))
+        self._put(("results", (values, step, images)))
 
     def close(self) -> None:
-        if not self._thread.is_alive():
-            return
-        self._queue.put(None)
-        self._thread.join(CLOSE_SECONDS)
-        if self._thread.is_alive():
-            _warn(f"trackers {', '.join(b.name for b in self.live)} still busy after {CLOSE_SECONDS:.0f} s; left "
-                  "unfinished (RUN/metrics.jsonl has every metric)")
+        self._put(None)
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for f in self.feeds:
+            f.thread.join(max(0.0, deadline - time.monotonic()))
+        busy = [f.backend.name for f in self.feeds if f.thread.is_alive()]
+        if busy:
+            _warn(f"trackers {', '.join(busy)} still busy after {CLOSE_SECONDS:g} s; left unfinished: {self.kept}")
 
-    # --- on the tracker thread ---------------------------------------------------------------
+    def remember(self, name: str, identity: dict) -> None:
+        """Record a tracker's run in trackers.json, for a resume and for eval."""
+        with self._lock:
+            write_atomic(self.root / IDENTITY, dump_json({**read_identity(self.root), name: identity}, indent=2))
+
+    def _put(self, item) -> None:
+        for f in self.feeds:
+            if f.ok:
+                f.queue.put(item)
+
+
+FAILED = object()
+
+
+class _Feed:
+    """One tracker's queue and thread."""
+
+    def __init__(self, tracking: Tracking, backend: Backend, params: dict | None, tags: dict | None,
+                 history: list[dict]):
+        self.tracking, self.backend, self.ok = tracking, backend, True
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, args=(params, tags, history), daemon=True,
+                                       name=f"dspark-{backend.name}")
+        self.thread.start()
+
     def _work(self, params: dict | None, tags: dict | None, history: list[dict]) -> None:
-        started = {b.name: ident for b in list(self.live) if (ident := self._call(b, "start", b.start, params, tags))}
-        if params is not None and started:  # what eval and a resume reopen
-            write_atomic(self.root / IDENTITY, dump_json({**read_identity(self.root), **started}, indent=2))
-        held = {b.name: self._call(b, "read back its steps", b.last_steps) for b in list(self.live)}
-        for record in history:
-            self._record(record, held)
-        while (item := self._queue.get()) is not None:
+        b = self.backend
+        identity = self._call("start", b.start, params, tags)
+        if identity is FAILED:
+            return
+        if params is not None:  # a training run (eval only reopens it)
+            self.tracking.remember(b.name, identity)
+        held = self._call("read back its steps", b.last_steps)
+        if held is FAILED or not all(self._record(r, held) for r in history):
+            return
+        while (item := self.queue.get()) is not None:
             kind, payload = item
             if kind == "record":
-                self._record(payload, held)
-            for b in list(self.live):
-                if kind == "artifact" and b.log_checkpoints:
-                    self._call(b, f"log {payload.name}", b.log_artifact, payload)
-                elif kind == "results":
-                    self._call(b, "log eval results", b.log_results, *payload)
-        for b in list(self.live):
-            self._call(b, "finish", b.close)
+                done = self._record(payload, held)
+            elif kind == "artifact":
+                done = not b.log_checkpoints or self._call(f"log {payload.name}", b.log_artifact, payload) is not FAILED
+            else:
+                done = self._call("log eval results", b.log_results, *payload) is not FAILED
+            if not done:
+                return
+        self._call("finish", b.close)
 
-    def _record(self, record: dict, held: dict[str, dict[str, int]]) -> None:
-        values = scalars(record)
-        for b in list(self.live):
-            if record["step"] > held[b.name].get(record["split"], -1):
-                self._call(b, f"log step {record['step']}", b.log, values, record["step"])
+    def _record(self, record: dict, held: dict[str, int]) -> bool:
+        """Log one record unless the tracker holds its step already; False if the tracker failed."""
+        if record["step"] <= held.get(record["split"], -1):
+            return True
+        return self._call(f"log step {record['step']}", self.backend.log, scalars(record), record["step"]) is not FAILED
 
-    def _call(self, b: Backend, what: str, fn, *args):
-        """`fn(*args)`, or None after a one-time warning, and no more calls to `b`."""
+    def _call(self, what: str, fn, *args):
+        """`fn(*args)`, or FAILED after a one-time warning: the tracker then gets nothing more."""
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001  (any tracker failure: the run goes on without it)
+            self.ok = False
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            _warn(f"tracker {b.name} could not {what} ({type(e).__name__}: {first}); it gets nothing more from "
-                  f"this run: {self.kept}")
-            if b in self.live:
-                self.live.remove(b)
-            return None
+            _warn(f"tracker {self.backend.name} could not {what} ({type(e).__name__}: {first}); it gets nothing "
+                  f"more from this run: {self.tracking.kept}")
+            return FAILED
