@@ -17,10 +17,10 @@ import math
 from dataclasses import replace
 
 from dspark.errors import InputError, StoreMismatch
+from dspark.tracking.config import ALWAYS
 from dspark.train.checkpoint import RunDir
 from dspark.train.config import TrainConfig
 from dspark.train.metrics import MetricLog
-from dspark.tracking.config import ALWAYS
 
 
 def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: float) -> str | None:

@@ -115,8 +115,8 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.decode.verifier import Verifier
     from dspark.evaluate import load_checkpoint, write_report
     from dspark.prepare import load_tokenizer
-    from dspark.train.checkpoint import require_checkpoint
     from dspark.tracking.run import log_results
+    from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
 
     cfg.validate()

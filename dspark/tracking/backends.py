@@ -1,8 +1,8 @@
 """One class per experiment tracker, registered by its `--logger` name.
 
 Each opens (or reopens, from its identity in RUN/trackers.json) one tracker run, logs scalars at training
-steps, logs eval results and their plots, says which step it last holds per split, and closes. They run on
-the tracking thread (run.py), which turns any exception into a one-time warning.
+steps, logs eval results and their plots, says which step it last holds per split, and closes. Each runs on
+its own thread (run.py), which turns any exception into a one-time warning.
 """
 
 from __future__ import annotations
@@ -178,7 +178,7 @@ class Wandb(Backend):
         return {"id": self.run_id, "project": self.project, "dir": str(self.dir), "name": self.run_name}
 
     def last_steps(self):
-        # Offline, each session writes its own run-ID.wandb; online, wandb itself drops steps it already holds.
+        # Each session writes its own run-ID.wandb (in offline-run-*-ID, or run-*-ID when online)
         files = self.dir.glob(f"wandb/*-{self.run_id}/run-{self.run_id}.wandb")
         return _split_steps((k, row["_step"]) for f in files for row in wandb_history(f)
                             for k in row if not k.startswith("_"))

@@ -3,7 +3,8 @@
 RUN/trackers.json names each tracker's run (MLflow run id, wandb id, ...), so a resumed `train` and
 `dspark eval` log into the runs the first start opened. A tracker says which step it last holds per split;
 what it lacks is sent from metrics.jsonl and what it holds is not sent again. After a kill -9 and a resume
-it shows one curve with each step once (training is deterministic: a step logged again has the same value).
+it shows one curve with each step once (a resume is deterministic: a step computed again has the same
+values, only its timing differs).
 
 A tracker that fails (its server down, its folder full) is named once on stderr and gets nothing more;
 training goes on, and metrics.jsonl keeps every metric.

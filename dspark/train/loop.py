@@ -30,11 +30,11 @@ from dspark.connector.manifest import default_store, manifest_for_model, require
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
+from dspark.tracking.run import Tracking, flatten, require_installed
 from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rng_state, set_rng_state
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
-from dspark.tracking.run import Tracking, flatten, require_installed
 from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs
 
 
