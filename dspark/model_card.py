@@ -37,7 +37,8 @@ _TRAIN_PLACES = {"data_path": "<prepared>", "verifier_name_or_path": "<verifier>
                  "store": "<store>", "draft_config": "<draft_config.json>", "live.endpoint": "<endpoint>",
                  "live.mooncake.master": "<mooncake-master>", "live.mooncake.local_hostname": "<this-host>",
                  "live.mooncake.metadata_server": "<metadata-server>"}
-# Train settings that do not change the drafter (RESULT_NEUTRAL less the data source), left out of the command.
+# Train settings that do not change the drafter (RESULT_NEUTRAL less the data source), left out of the command;
+# the experiment trackers (`tracking.*`) too.
 _TRAIN_OMIT = {"num_workers", "prefetch_factor", "max_steps", "device", "on_damaged"}
 
 DEMO_DFLASH_MEASURE = ("measured on dspark's demo checkpoint, 20 prompts, 64 greedy tokens each: mean acceptance "
@@ -285,7 +286,7 @@ def extract_command(p: Provenance) -> tuple[str, list[str]]:
 def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("live", "mooncake"):
+        if isinstance(v, dict) and k in ("live", "mooncake", "tracking"):
             out.update(_flat(v, (*prefix, k)))
         else:
             out[(*prefix, k)] = v
@@ -305,7 +306,7 @@ def train_command(p: Provenance) -> str:
     seen = set()
     for path, flags, f, hint in cli_leaves(TrainConfig):
         seen.add(path)
-        if path not in values or ".".join(path) in _TRAIN_OMIT:
+        if path not in values or ".".join(path) in _TRAIN_OMIT or path[0] == "tracking":
             continue
         value = values[path]
         dotted = ".".join(path)
@@ -325,7 +326,7 @@ def train_command(p: Provenance) -> str:
             continue
         words.append(f"{flag} {_arg(_TRAIN_PLACES.get(dotted, value))}")
     for path, value in values.items():  # settings of a newer dspark than this one: shown by their names
-        if path not in seen and path[0] != "live" and value is not None:
+        if path not in seen and path[0] not in ("live", "tracking") and value is not None:
             flag = "--" + path[-1].replace("_", "-")
             words.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {_arg(value)}")
     return _wrap(words)
