@@ -92,14 +92,14 @@ def trackio_rows(run: Path) -> list[dict]:
     return SQLiteStorage.get_logs(ident["project"], ident["name"])
 
 
-def assert_series_equal(got: dict, want: dict, rel: float, timed: bool = True) -> None:
+def assert_series_equal(got: dict, want: dict, rel: float, timed: bool = True, what: str = "") -> None:
     """Same steps, each once; same values (`timed`: timings too, which a step run twice does not repeat)."""
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want), what
     for k in want:
-        assert [s for s, _ in got[k]] == [s for s, _ in want[k]], k
+        assert [s for s, _ in got[k]] == [s for s, _ in want[k]], f"{what} {k}"
         if "/timing/" in k and not timed:
             continue
-        assert [v for _, v in got[k]] == pytest.approx([v for _, v in want[k]], rel=rel, abs=1e-7), k
+        assert [v for _, v in got[k]] == pytest.approx([v for _, v in want[k]], rel=rel, abs=1e-7), f"{what} {k}"
 
 
 def all_series(run: Path) -> dict[str, dict]:
@@ -123,7 +123,7 @@ def test_every_tracker_holds_every_metric_of_metrics_jsonl(tracked_run):
     want = expected(tracked_run)
     assert {"train/loss", "val/loss", "train/accept_len", "train/timing/data_wait_fraction"} <= set(want)
     for name, got in all_series(tracked_run).items():
-        assert_series_equal(got, want, REL[name])
+        assert_series_equal(got, want, REL[name], what=name)
 
 
 def test_the_config_versions_and_fingerprints_are_the_runs_parameters_and_tags(tracked_run):
@@ -186,7 +186,7 @@ def test_eval_and_decode_results_go_into_the_run_they_evaluate(tracked_run, chat
     # the training curves are untouched: eval results sit beside them
     want = expected(tracked_run)
     for name, got in all_series(tracked_run).items():
-        assert_series_equal(got, want, REL[name])
+        assert_series_equal(got, want, REL[name], what=name)
 
 
 def test_a_replay_logs_to_no_tracker(tracked_run):
@@ -227,7 +227,28 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     want = expected(run)
     assert len(want["train/loss"]) == max(s for s, _ in want["train/loss"])  # every step, from 1
     for name, got in all_series(run).items():  # a step logged before the kill keeps that attempt's timing
-        assert_series_equal(got, want, REL[name], timed=False)
+        assert_series_equal(got, want, REL[name], timed=False, what=name)
+
+
+def test_a_step_half_logged_before_a_kill_is_completed_not_repeated(trackio_dir, tmp_path):
+    from dspark.tracking.config import TrackingConfig
+    from dspark.tracking.run import Tracking
+
+    def record(step, **metrics):
+        return {"step": step, "epoch": 0, "split": "train", "metrics": metrics}
+
+    whole = [record(s, loss=1 / s, tv_loss=2 / s) for s in (1, 2, 3)]
+    run, cfg = tmp_path / "run", TrackingConfig(logger=ALL)
+    run.mkdir()
+    # the killed attempt: steps 1 and 2 whole, step 3 cut short between its two keys
+    first = Tracking.for_training(run, cfg, {"lr": 0.1}, {}, [*whole[:2], record(3, loss=1 / 3)])
+    first.close()
+    # the resume sends the record from metrics.jsonl: each tracker gets only the key it lacks
+    Tracking.for_training(run, cfg, {"lr": 0.1}, {}, whole).close()
+    want = {"train/loss": [(s, 1 / s) for s in (1, 2, 3)], "train/tv_loss": [(s, 2 / s) for s in (1, 2, 3)],
+            "train/epoch": [(s, 0.0) for s in (1, 2, 3)]}
+    for name, got in all_series(run).items():
+        assert_series_equal(got, want, REL[name], what=name)
 
 
 def test_a_tracker_that_is_not_installed_is_one_line_naming_the_install(store, prepared, verifier, tmp_path):

@@ -1,7 +1,7 @@
 """One class per experiment tracker, registered by its `--logger` name.
 
 Each opens (or reopens, from its identity in RUN/trackers.json) one tracker run, logs scalars at training
-steps, logs eval results and their plots, says which step it last holds per split, and closes. Each runs on
+steps, logs eval results and their plots, says which step it last holds per key, and closes. Each runs on
 its own thread (run.py), which turns any exception into a one-time warning.
 """
 
@@ -23,12 +23,14 @@ def register(cls: type[Backend]) -> type[Backend]:
     return cls
 
 
-def _split_steps(pairs) -> dict[str, int]:
-    """The highest step per split (`train`, `val`, ...) from (key, step) pairs such as `train/loss`, 40."""
+def _last_steps(pairs) -> dict[str, int]:
+    """The highest step per key from (key, step) pairs such as (`train/loss`, 40).
+
+    Per key, not per record: a kill between two keys of one step leaves that step half logged.
+    """
     last: dict[str, int] = {}
     for key, step in pairs:
-        split = key.split("/", 1)[0]
-        last[split] = max(last.get(split, -1), int(step))
+        last[key] = max(last.get(key, -1), int(step))
     return last
 
 
@@ -84,7 +86,7 @@ class TensorBoard(Backend):
 
         acc = EventAccumulator(str(self.dir), size_guidance={"scalars": 0})
         acc.Reload()
-        return _split_steps((tag, e.step) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag))
+        return _last_steps((tag, e.step) for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag))
 
     def log(self, values, step):
         for k, v in values.items():
@@ -136,7 +138,7 @@ class MLflow(Backend):
 
     def last_steps(self):
         metrics = self.client.get_run(self.run_id).data.metrics
-        return _split_steps((k, m.step) for k in metrics for m in self.client.get_metric_history(self.run_id, k))
+        return _last_steps((k, m.step) for k in metrics for m in self.client.get_metric_history(self.run_id, k))
 
     def log(self, values, step):
         from mlflow.entities import Metric
@@ -180,7 +182,7 @@ class Wandb(Backend):
     def last_steps(self):
         # Each session writes its own run-ID.wandb (in offline-run-*-ID, or run-*-ID when online)
         files = self.dir.glob(f"wandb/*-{self.run_id}/run-{self.run_id}.wandb")
-        return _split_steps((k, row["_step"]) for f in files for row in wandb_history(f)
+        return _last_steps((k, row["_step"]) for f in files for row in wandb_history(f)
                             for k in row if not k.startswith("_"))
 
     def log(self, values, step):
@@ -264,7 +266,7 @@ class Trackio(Backend):
     def last_steps(self):
         from trackio.sqlite_storage import SQLiteStorage
 
-        return _split_steps((k, row["step"]) for row in SQLiteStorage.get_logs(self.project, self.run_name)
+        return _last_steps((k, row["step"]) for row in SQLiteStorage.get_logs(self.project, self.run_name)
                             for k in row if k not in ("step", "timestamp"))
 
     def log(self, values, step):

@@ -1,7 +1,7 @@
 """A run's trackers: each started, fed and closed on its own thread, so none ever holds up training.
 
 RUN/trackers.json names each tracker's run (MLflow run id, wandb id, ...), so a resumed `train` and
-`dspark eval` log into the runs the first start opened. A tracker says which step it last holds per split;
+`dspark eval` log into the runs the first start opened. A tracker says which step it last holds per key;
 what it lacks is sent from metrics.jsonl and what it holds is not sent again. After a kill -9 and a resume
 it shows one curve with each step once (a resume is deterministic: a step computed again has the same
 values, only its timing differs).
@@ -186,10 +186,10 @@ class _Feed:
         self._call("finish", b.close)
 
     def _record(self, record: dict, held: dict[str, int]) -> bool:
-        """Log one record unless the tracker holds its step already; False if the tracker failed."""
-        if record["step"] <= held.get(record["split"], -1):
-            return True
-        return self._call(f"log step {record['step']}", self.backend.log, scalars(record), record["step"]) is not FAILED
+        """Log the values of one record the tracker does not hold yet; False if the tracker failed."""
+        step = record["step"]
+        values = {k: v for k, v in scalars(record).items() if step > held.get(k, -1)}
+        return not values or self._call(f"log step {step}", self.backend.log, values, step) is not FAILED
 
     def _call(self, what: str, fn, *args):
         """`fn(*args)`, or FAILED after a one-time warning: the tracker then gets nothing more."""
