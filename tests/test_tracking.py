@@ -19,7 +19,7 @@ import pytest
 
 from conftest import fit, run_cli, train_cfg
 from dspark.train.metrics import MetricLog
-from dspark.tracking.run import flatten, scalars
+from dspark.tracking.run import flatten, read_identity, scalars
 from test_train import train_argv
 
 ALL = "tensorboard,mlflow,wandb,trackio"
@@ -43,7 +43,7 @@ def expected(run: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def identity(run: Path, name: str) -> dict:
-    return json.loads((run / "trackers.json").read_text())[name]
+    return read_identity(run)[name]
 
 
 def tensorboard_series(run: Path, prefix=("train/", "val/")):
@@ -211,7 +211,8 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
         return int((run / "latest").resolve().name.split("-")[1])
 
     def tracker_past_checkpoint() -> bool:  # MLflow holds steps the resume computes again
-        if not (run / "latest").exists() or not (run / "trackers.json").exists():
+        # each tracker adds itself to trackers.json once it has started, MLflow not necessarily first
+        if not (run / "latest").exists() or "mlflow" not in read_identity(run):
             return False
         steps = [s for s, _ in mlflow_series(run).get("train/loss", [])]
         return bool(steps) and max(steps) > checkpoint_step() + 1
