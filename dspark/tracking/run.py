@@ -149,11 +149,8 @@ class Tracking:
                 f.queue.put(item)
 
 
-FAILED = object()
-
-
 class _Feed:
-    """One tracker's queue and thread."""
+    """One tracker's queue and thread. Once a call to the tracker fails (`ok` False) it gets nothing more."""
 
     def __init__(self, tracking: Tracking, backend: Backend, params: dict | None, tags: dict | None,
                  history: list[dict]):
@@ -166,33 +163,34 @@ class _Feed:
     def _work(self, params: dict | None, tags: dict | None, history: list[dict]) -> None:
         b = self.backend
         identity = self._call("start", b.start, params, tags)
-        if identity is FAILED:
-            return
-        if params is not None:  # a training run (eval only reopens it)
+        if self.ok and params is not None:  # a training run (eval only reopens it)
             self.tracking.remember(b.name, identity)
         held = self._call("read back its steps", b.last_steps)
-        if held is FAILED or not all(self._record(r, held) for r in history):
-            return
-        while (item := self.queue.get()) is not None:
+        for record in history:
+            self._record(record, held)
+        while self.ok and (item := self.queue.get()) is not None:
             kind, payload = item
             if kind == "record":
-                done = self._record(payload, held)
-            elif kind == "artifact":
-                done = not b.log_checkpoints or self._call(f"log {payload.name}", b.log_artifact, payload) is not FAILED
-            else:
-                done = self._call("log eval results", b.log_results, *payload) is not FAILED
-            if not done:
-                return
+                self._record(payload, held)
+            elif kind == "artifact" and b.log_checkpoints:
+                self._call(f"log {payload.name}", b.log_artifact, payload)
+            elif kind == "results":
+                self._call("log eval results", b.log_results, *payload)
         self._call("finish", b.close)
 
-    def _record(self, record: dict, held: dict[str, int]) -> bool:
-        """Log the values of one record the tracker does not hold yet; False if the tracker failed."""
+    def _record(self, record: dict, held: dict[str, int]) -> None:
+        """Log the values of one record the tracker does not hold yet."""
+        if not self.ok:  # `held` is None when reading it back failed
+            return
         step = record["step"]
         values = {k: v for k, v in scalars(record).items() if step > held.get(k, -1)}
-        return not values or self._call(f"log step {step}", self.backend.log, values, step) is not FAILED
+        if values:
+            self._call(f"log step {step}", self.backend.log, values, step)
 
     def _call(self, what: str, fn, *args):
-        """`fn(*args)`, or FAILED after a one-time warning: the tracker then gets nothing more."""
+        """`fn(*args)`; nothing once the tracker has failed; a failure is one warning."""
+        if not self.ok:
+            return None
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001  (any tracker failure: the run goes on without it)
@@ -200,4 +198,4 @@ class _Feed:
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             _warn(f"tracker {self.backend.name} could not {what} ({type(e).__name__}: {first}); it gets nothing "
                   f"more from this run: {self.tracking.kept}")
-            return FAILED
+            return None
