@@ -38,7 +38,7 @@ _TRAIN_PLACES = {"data_path": "<prepared>", "verifier_name_or_path": "<verifier>
                  "live.mooncake.master": "<mooncake-master>", "live.mooncake.local_hostname": "<this-host>",
                  "live.mooncake.metadata_server": "<metadata-server>"}
 # Train settings that do not change the drafter (RESULT_NEUTRAL less the data source), left out of the command;
-# the experiment trackers (`tracking.*`) too.
+# the experiment trackers (`tracking`) too, dropped as a whole where the record is read.
 _TRAIN_OMIT = {"num_workers", "prefetch_factor", "max_steps", "device", "on_damaged"}
 
 DEMO_DFLASH_MEASURE = ("measured on dspark's demo checkpoint, 20 prompts, 64 greedy tokens each: mean acceptance "
@@ -286,7 +286,7 @@ def extract_command(p: Provenance) -> tuple[str, list[str]]:
 def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("live", "mooncake", "tracking"):
+        if isinstance(v, dict) and k in ("live", "mooncake"):
             out.update(_flat(v, (*prefix, k)))
         else:
             out[(*prefix, k)] = v
@@ -298,7 +298,7 @@ def train_command(p: Provenance) -> str:
     from dspark.config import cli_leaves
     from dspark.train.config import TrainConfig
 
-    values = _flat(p.train or {})
+    values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
     live = values.get(("source",)) == "mooncake"
     world = int((p.record or {}).get("world_size") or 1)
     head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
@@ -306,7 +306,7 @@ def train_command(p: Provenance) -> str:
     seen = set()
     for path, flags, f, hint in cli_leaves(TrainConfig):
         seen.add(path)
-        if path not in values or ".".join(path) in _TRAIN_OMIT or path[0] == "tracking":
+        if path not in values or ".".join(path) in _TRAIN_OMIT:
             continue
         value = values[path]
         dotted = ".".join(path)
@@ -326,7 +326,7 @@ def train_command(p: Provenance) -> str:
             continue
         words.append(f"{flag} {_arg(_TRAIN_PLACES.get(dotted, value))}")
     for path, value in values.items():  # settings of a newer dspark than this one: shown by their names
-        if path not in seen and path[0] not in ("live", "tracking") and value is not None:
+        if path not in seen and path[0] != "live" and value is not None:
             flag = "--" + path[-1].replace("_", "-")
             words.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {_arg(value)}")
     return _wrap(words)
