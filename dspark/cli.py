@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.config import (FiniteFloatRange, IntList, MooncakeConfig, ServeLimits, build, check_settings,
                            config_file_option, nest, options)
 from dspark.errors import DsparkError
@@ -200,6 +201,9 @@ def _pop_config(kw: dict, name: str, cls):
               help="Padded tokens per forward.")
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--fp8", is_flag=True, help="Store fp8 e4m3 with a scale per token and layer (half of bf16).")
+@click.option("--codec", type=click.Choice(list(CODECS)), default=None,
+              help=f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
+              "stores larger: README, Performance). An existing store keeps its own.")
 @click.option("--chunk-tokens", type=int, default=None, help="Tokens per chunk (default: ~1 MiB chunks).")
 @click.option("--shard", default="0/1", show_default=True, help="INDEX/COUNT: this writer's share of batches.")
 @click.option("--verifier-name", default=None, help="Name recorded in the manifest (default: folder name).")

@@ -22,6 +22,7 @@ import typing
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
+from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.hub import model_name
 
 # The reports `dspark eval` writes into CHECKPOINT/eval, and the figures export copies beside the card.
@@ -263,6 +264,9 @@ def extract_command(p: Provenance) -> tuple[str, list[str]]:
         words.append(f"--dtype {_arg(m['dtype'])}")
         if m.get("encoding") == "fp8_e4m3":
             words.append("--fp8")
+        codec = next((k for k, v in CODECS.items() if v == m.get("codec")), None)
+        if codec and codec != DEFAULT_CODEC:
+            words.append(f"--codec {codec}")
         try:
             from dspark.connector.encoding import bytes_per_token
             from dspark.connector.manifest import default_chunk_tokens

@@ -104,6 +104,105 @@ def test_a_store_written_with_slash_chunk_keys_still_reads(tmp_path):
         assert torch.equal(store.read(i).hidden_states.view(torch.int16), make_sample(i).hidden_states.view(torch.int16))
 
 
+def test_new_stores_checksum_with_xxh3_and_stores_from_before_keep_crc32(tmp_path):
+    import json
+    import zlib
+
+    from dspark.connector.checksum import PIECE, sample_checksum
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    big = Sample(99, np.arange(9000, dtype=np.int64), torch.randn(9000, L, H).to(torch.bfloat16))  # 2.3 MB
+    for root, kw in ((new, {}), (old, {"checksum": "crc32"})):
+        write(root, range(6), **kw)
+        sink = ZarrSink(root, manifest(**kw))
+        sink.write(big)
+        sink.close()
+    path = old / "manifest.json"  # as a store from before checksums were named: no "checksum" key
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k != "checksum"}))
+    stores = {"xxh3_64": ZarrStore(new), "crc32": ZarrStore(old)}
+    assert {k: s.manifest.checksum for k, s in stores.items()} == {"xxh3_64": "xxh3_64", "crc32": "crc32"}
+    for kind, store in stores.items():
+        for s in [*map(make_sample, range(6)), big]:
+            payload = s.hidden_states.view(torch.uint16).numpy()
+            assert store.entry(s.sample_id).crc == sample_checksum(kind, s.token_ids, payload, None)
+            assert store.damaged(s.sample_id) is None
+    want = zlib.crc32(payload.tobytes(), zlib.crc32(big.token_ids.tobytes()))
+    assert stores["crc32"].entry(99).crc == want  # CRC32 exactly as stores from before computed it
+    assert payload.nbytes > 2 * PIECE  # the xxh3 tree spans three pieces
+    # Position-independent: the same bytes at another offset of another segment give the same checksum.
+    write(new, [99, 3], checksum="xxh3_64")
+    assert {e.crc for e in ZarrStore(new)._view.records(99)} == {stores["xxh3_64"].entry(99).crc}
+    # Damage is caught in both kinds: flip one byte in the middle of a chunk of the big sample.
+    for root in (new, old):
+        e = ZarrStore(root).entry(99)
+        chunk = root / "segments" / e.segment / "hidden" / f"c.{(e.start + 4000) // 16}.0.0"
+        raw = bytearray(chunk.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        chunk.write_bytes(bytes(raw))
+        assert ZarrStore(root).damaged(99) and ZarrStore(root).damaged(3) is None
+
+
+def test_extract_codec_is_recorded_and_read_by_stock_zarr_and_a_store_keeps_its_own(tmp_path):
+    import zarr
+
+    from dspark.connector.manifest import codec_named
+    from dspark.errors import InputError
+
+    sink = ZarrSink(tmp_path, manifest(codec=codec_named("lz4")))
+    for i in range(5):
+        sink.write(make_sample(i))
+    sink.close()
+    store = ZarrStore(tmp_path)
+    assert store.manifest.codec.name == "lz4" and store.manifest.codec.cname == "lz4"
+    seg = tmp_path / "segments" / sink._writer_id
+    z = zarr.open_array(seg / "hidden", mode="r")
+    (blosc,) = [c for c in z.metadata.codecs if type(c).__name__ == "BloscCodec"]
+    assert blosc.cname.value == "lz4" and blosc.shuffle.value == "shuffle"
+    e = store.entry(3)
+    assert np.array_equal(z[e.start : e.start + e.length], make_sample(3).hidden_states.view(torch.uint16).numpy())
+    assert torch.equal(store.read(3).hidden_states.view(torch.int16), make_sample(3).hidden_states.view(torch.int16))
+    with pytest.raises(InputError, match="unknown codec 'brotli'.*zstd, lz4"):
+        codec_named("brotli")
+
+
+def test_read_buffers_are_recycled_only_once_nothing_refers_to_them(tmp_path, monkeypatch):
+    from dspark.connector.buffers import READS, BufferPool
+
+    def address(a) -> int:
+        return a.data_ptr() if isinstance(a, torch.Tensor) else a.__array_interface__["data"][0]
+
+    pool = BufferPool(max_bytes=100, min_bytes=0)
+    a, b = pool.empty((10,), np.uint16), pool.empty((10,), np.uint16)
+    assert address(a) != address(b)  # a is in use
+    at, owner = address(a), id(a.base)  # the pooled buffer: the pool keeps it, so its id stays its own
+    view = torch.from_numpy(a[2:]).view(torch.int16)  # a tensor of a view of it keeps it in use
+    del a
+    assert address(pool.empty((10,), np.uint16)) not in (at, address(b))
+    del view
+    again = pool.empty((8,), np.uint16)
+    assert address(again) == at and id(again.base) == owner  # idle now: reused, not allocated
+    del again
+    keep = pool.empty((40,), np.uint16)  # 80 bytes: the idle 20-byte buffers make room
+    assert pool.held <= 100 and pool.empty((40,), np.uint16).base is None  # full: a plain array
+    del keep
+
+    # Through the store, bf16 and fp8: a sample held keeps its values while later reads reuse other buffers.
+    monkeypatch.setattr(READS, "min_bytes", 0)
+    for encoding in ("raw", "fp8_e4m3"):
+        write(tmp_path / encoding, range(6), encoding=encoding)
+        store = ZarrStore(tmp_path / encoding)
+        held = store.read(0).hidden_states
+        want = held.clone()
+        again = [address(store.read(3).hidden_states) for _ in range(3)]  # each dropped at once: recycled
+        assert again[0] == again[1] == again[2] != address(held)
+        for i in range(1, 6):
+            assert torch.equal(store.read(i).hidden_states.view(torch.int16),
+                               store.read(i).hidden_states.clone().view(torch.int16))
+        assert torch.equal(held.view(torch.int16), want.view(torch.int16))  # never handed out while held
+        if encoding == "raw":
+            assert torch.equal(held.view(torch.int16), make_sample(0).hidden_states.view(torch.int16))
+
+
 def test_fp8_decode_is_the_float_formula_for_every_code():
     """The fast decode (float16 bit trick, cache-sized pieces) equals fp8 * scale rounded once to bf16."""
     from dspark.connector.encoding import decode
@@ -231,10 +330,11 @@ def test_bad_manifest_values_are_one_line_naming_each_field_and_its_allowed_valu
 def test_a_store_written_before_weights_were_recorded_reads_extends_and_keeps_its_fingerprint(tmp_path):
     import json
 
-    write(tmp_path, range(5))
+    write(tmp_path, range(5), checksum="crc32")
     path = tmp_path / "manifest.json"
     old = json.loads(path.read_text())
-    old.pop("verifier_weights_hash", None)  # as every store written before it was recorded
+    for key in ("verifier_weights_hash", "checksum"):  # as every store written before they were recorded
+        old.pop(key)
     path.write_text(json.dumps(old))
     store = ZarrStore(tmp_path)
     assert store.manifest.verifier_weights_hash is None

@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
+from dspark.connector.checksum import Kind as ChecksumKind
+from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.connector.encoding import bytes_per_token
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded
@@ -37,6 +39,20 @@ class Codec(BaseModel):
     shuffle: Literal["noshuffle", "shuffle", "bitshuffle"] = "shuffle"
     blocksize: int = 1 << 20
 
+    @property
+    def name(self) -> str:
+        """Its name in CODECS (`extract --codec`), or its settings where no name gives them."""
+        return next((k for k, v in CODECS.items() if v == self.model_dump()),
+                    f"{self.cname}-{self.clevel}-{self.shuffle}")
+
+
+def codec_named(name: str | None) -> Codec:
+    if name is None:
+        name = DEFAULT_CODEC
+    if name not in CODECS:
+        raise InputError(f"unknown codec {name!r}", f"use one of {', '.join(CODECS)}")
+    return Codec(**CODECS[name])
+
 
 class StoreManifest(BaseModel):
     model_config = ConfigDict(frozen=True)
@@ -53,6 +69,7 @@ class StoreManifest(BaseModel):
     dtype: Literal["bfloat16", "float16", "float32"]
     encoding: Encoding = "raw"
     codec: Codec = Codec()
+    checksum: ChecksumKind = "xxh3_64"  # load() reads a manifest without one as "crc32": stores from before
     chunk_tokens: int = Field(gt=0)
     prepared_fingerprint: str
     dspark_version: str = __version__
@@ -89,6 +106,7 @@ class StoreManifest(BaseModel):
             raise StoreError(f"store {root} has a damaged manifest.json: it is not JSON ({e})", fix) from None
         if not isinstance(data, dict):
             raise StoreError(f"store {root} has a damaged manifest.json: it is not a JSON object", fix)
+        data.setdefault("checksum", "crc32")  # written before stores named their checksum
         if data.get("format_version") != FORMAT_VERSION:
             raise StoreMismatch(f"store {root} has format version {data.get('format_version')}, "
                                 f"this dspark reads {FORMAT_VERSION}",
@@ -189,7 +207,8 @@ def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
 
 def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_fingerprint: str,
                        encoding: str = "raw", chunk_tokens: int | None = None, verifier_name: str | None = None,
-                       dtype: str | None = None, trust_remote_code: bool = False) -> StoreManifest:
+                       dtype: str | None = None, trust_remote_code: bool = False,
+                       codec: str | None = None) -> StoreManifest:
     """The store identity for states of `model` at these layers over one prepared data set.
 
     Built from the model folder alone, so every producer (the transformers engine,
@@ -215,7 +234,7 @@ def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_
         hidden_size=cfg.hidden_size,
         dtype=dtype,
         encoding=encoding,
-        codec=Codec(),
+        codec=codec_named(codec),
         chunk_tokens=chunk_tokens or default_chunk_tokens(per_token),
         prepared_fingerprint=prepared_fingerprint,
     )

@@ -54,7 +54,7 @@ class Producer:
                 c = self.config
                 self._manifests[prepared_fingerprint] = manifest_for_model(
                     self._model, self._layers, prepared_fingerprint, c.encoding, c.chunk_tokens, c.verifier_name,
-                    self._dtype, self._trc)
+                    self._dtype, self._trc, c.codec)
             return self._manifests[prepared_fingerprint]
 
     def plan(self, request_id: str, params: dict | None, num_tokens: int) -> Planned:

@@ -8,7 +8,7 @@ Layout (one store = one verifier, one layer set, one prepared data set):
                                      record the writer's verifier weights hash
         scales     [CAP, L+1]        float32, fp8 only
         token_ids  [CAP]             int32
-        index.bin                    32-byte records: sample_id, start, length, crc, record crc
+        index.bin                    32-byte records: sample_id, start, length, sample checksum, record crc
 
 Why it is safe without locks:
 - Each writer session owns a fresh segment, so no chunk is ever shared or
@@ -23,8 +23,9 @@ Why it is safe without locks:
 Damage (a flipped byte, a lost or truncated chunk file, a damaged index record):
 - Index records are fixed-size and each carries its own CRC: a damaged record is
   skipped and counted (`damaged_records`), and every record after it still reads.
-- Every sample carries a CRC32 of its stored bytes; `read` checks it by default
-  (about a tenth of the decode time, see README). A missing or truncated chunk
+- Every sample carries a checksum of its stored bytes (checksum.py: xxh3, or CRC32 in stores
+  from before); `read` checks it by default (a few percent of the decode time, see README),
+  hashing each piece right after decoding it. A missing or truncated chunk
   file is caught by its length before it is decoded; a garbled one fails the
   checksum or the decode; either way the reader gets `DamagedSample`, never
   wrong numbers.
@@ -65,7 +66,9 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
 from dspark.connector.base import Sample, Sink, Source, done, register_sink, register_source
-from dspark.connector.encoding import bytes_per_token, decode, encode, sample_crc, stored_numpy_dtype
+from dspark.connector.buffers import READS
+from dspark.connector.checksum import SampleChecksum, sample_checksum
+from dspark.connector.encoding import bytes_per_token, decode, encode, stored_numpy_dtype
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest, weights_differ
 from dspark.errors import DamagedSample, InputError, StoreError
 from dspark.files import FileRefused, open_regular, read_bounded, read_upto
@@ -285,18 +288,20 @@ class _Segment:
                 self._cache.popitem(last=False)
         return block
 
-    def read(self, name: str, start: int, length: int, crc: int | None = None) -> tuple[np.ndarray | None, int | None]:
-        """Tokens [start, start+length) of array `name`, and `crc` carried on over their bytes (None: not computed).
-
-        The checksum is taken piece by piece as each chunk is decoded, while its bytes
-        are still in cache, instead of a second pass over the whole sample.
+    def read(self, name: str, start: int, length: int, digest: SampleChecksum | None = None) -> np.ndarray | None:
+        """Tokens [start, start+length) of array `name` (None: the segment has no such array), fed to
+        `digest` piece by piece as each chunk is decoded, while its bytes are still in cache,
+        instead of a second pass over the whole sample.
         """
         if name not in self.arrays:
-            return None, crc
+            return None
         a, C = self.arrays[name], self.chunk_tokens
-        out = np.empty((length, *a.chunk_shape[1:]), a.dtype)
+        out = READS.empty((length, *a.chunk_shape[1:]), a.dtype)
+        row = out.nbytes // max(1, length)
         chunks = range(start // C, (start + length - 1) // C + 1)
         files = []
+        if digest is not None:
+            digest.begin(out)
         try:
             for c in chunks:
                 files.append(a.open_chunk(c))
@@ -307,12 +312,14 @@ class _Segment:
                     a.decode(c, f, piece)
                 else:
                     piece[...] = self._cached(name, c, f)[lo - c * C : hi - c * C]
-                if crc is not None:
-                    crc = zlib.crc32(piece.data, crc)
+                if digest is not None:
+                    digest.upto((hi - start) * row)
         finally:
             for f in files:
                 f.close()
-        return out, crc
+        if digest is not None:
+            digest.end()
+        return out
 
 
 class ZarrStore(Source):
@@ -385,11 +392,13 @@ class ZarrStore(Source):
     def _read_entry(self, e: IndexEntry, check: bool):
         """(tokens, payload, scales, whether they match the record's checksum; True unchecked)."""
         seg = self._segment(e.segment)
-        tokens = seg.read("token_ids", e.start, e.length)[0].astype(np.int64)
-        crc = zlib.crc32(tokens.data) if check else None  # the order of `sample_crc`: tokens, payload, scales
-        payload, crc = seg.read("hidden", e.start, e.length, crc)
-        scales, crc = seg.read("scales", e.start, e.length, crc)
-        return tokens, payload, scales, not check or crc == e.crc
+        tokens = seg.read("token_ids", e.start, e.length).astype(np.int64)
+        digest = SampleChecksum(self.manifest.checksum) if check else None
+        if digest is not None:  # the order of `sample_checksum`: tokens, payload, scales
+            digest.part(tokens)
+        payload = seg.read("hidden", e.start, e.length, digest)
+        scales = seg.read("scales", e.start, e.length, digest)
+        return tokens, payload, scales, not check or digest.value() == e.crc
 
     def _read_raw(self, sample_id: int, check: bool = True):
         """(record, tokens, payload, scales) of the first record that reads back whole, else DamagedSample.
@@ -701,7 +710,7 @@ class ZarrSink(Sink):
                              "extract with the store's layer ids and verifier")
         payload, scales = encode(sample.hidden_states, m.encoding)
         tokens = np.asarray(sample.token_ids, dtype=np.int64)
-        crc = sample_crc(tokens, payload, scales)
+        crc = sample_checksum(m.checksum, tokens, payload, scales)
         with self._lock:
             if self._error is not None:
                 raise self._error

@@ -20,7 +20,8 @@ from pathlib import Path
 
 from dspark.connector.base import open_sink
 from dspark.connector.config import SinkConfig
-from dspark.connector.manifest import StoreManifest, default_store, manifest_for_model, require_same_weights
+from dspark.connector.manifest import (StoreManifest, codec_named, default_store, manifest_for_model,
+                                      require_same_weights)
 from dspark.config import MooncakeConfig
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
@@ -41,6 +42,7 @@ class ExtractConfig:
     batch_tokens: int = 8192
     max_batch_size: int = 64
     encoding: str = "raw"
+    codec: str | None = None  # a name in manifest.CODECS; None: the store's, or the default for a new store
     chunk_tokens: int | None = None
     shard: str = "0/1"
     verifier_name: str | None = None
@@ -52,7 +54,8 @@ class ExtractConfig:
 
     def sinks(self, prepared_fingerprint: str) -> SinkConfig:
         return SinkConfig(to=self.to, store=self.store, prepared_fingerprint=prepared_fingerprint,
-                          verifier_name=self.verifier_name, encoding=self.encoding, chunk_tokens=self.chunk_tokens,
+                          verifier_name=self.verifier_name, encoding=self.encoding, codec=self.codec,
+                          chunk_tokens=self.chunk_tokens,
                           writer_threads=self.mooncake.writer_threads, accept_other_weights=self.accept_other_weights,
                           mooncake=self.mooncake)
 
@@ -109,8 +112,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
-    if _existing_store(cfg.store, cfg.to) and require_same_weights(  # before the model loads; the sink checks again
-            StoreManifest.load(Path(cfg.store)), cfg.store, cfg.model, cfg.accept_other_weights):
+    existing = StoreManifest.load(Path(cfg.store)) if _existing_store(cfg.store, cfg.to) else None
+    if existing and cfg.codec and existing.codec != codec_named(cfg.codec):
+        raise InputError(f"store {cfg.store} was created with codec {existing.codec.name}, not {cfg.codec}: a "
+                         "store keeps the codec it was created with",
+                         f"drop --codec to extend it, or pass a new --store for {cfg.codec}")
+    if existing and require_same_weights(  # before the model loads; the sink checks again
+            existing, cfg.store, cfg.model, cfg.accept_other_weights):
         print(f"store {cfg.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
               "the new segment records them (`dspark store info` lists it)", file=sys.stderr)
     batches = [b for j, b in enumerate(plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)) if j % shard_n == shard_i]
@@ -128,7 +136,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
                          device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                          prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
     manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, cfg.encoding, cfg.chunk_tokens,
-                                  cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code)
+                                  cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code, cfg.codec)
 
     sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake, rewrite=rewrite,
                      accept_other_weights=cfg.accept_other_weights)
