@@ -20,7 +20,9 @@ interleaved repetition by repetition, and the table gives medians:
   training reads), by 1 and by 2 reader threads; "cold"
   drops the page cache first (root only; otherwise not measured);
 - GIL: the share of one warm reader's time it holds the GIL, sampled by py-spy
-  (`pip install py-spy`; root); N readers go at most 1/share times one reader.
+  (`pip install py-spy`; root); N readers go at most 1/share times one reader;
+- processes: the same warm reads by as many processes as the most reader threads,
+  started together: what the machine gives readers that share no GIL.
 `--before PATH` adds the Zarr layouts as the dspark in PATH (a checkout) writes
 and reads them, for before/after figures from one run. `--codec NAME` adds a
 store of that `extract --codec`; `--chunk-sweep 8 16 32` a store per chunk size. `--codecs` prints, instead, each Blosc setting's
@@ -129,17 +131,12 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
     ids = np.random.default_rng(0).permutation(N).tolist()
     raw = bits.nbytes
     if layout.startswith("safetensors"):
-        from safetensors.torch import load, load_file, save_file
+        from safetensors.torch import save_file
 
         def write():
             for i, h in enumerate(samples):
                 save_file({"hidden_states": h, "input_ids": torch.from_numpy(tokens[i])}, scratch / f"{i}.safetensors")
 
-        def read(i):
-            path = scratch / f"{i}.safetensors"
-            if layout == "safetensors":  # speculators (hs_connectors' FileTransfer): load_file, a mapped file
-                return load_file(path)["hidden_states"]
-            return load(path.read_bytes())["hidden_states"]  # read into memory, as loaders without mmap do
     else:
         from dspark.connector.base import Sample
         from dspark.connector.manifest import StoreManifest, default_chunk_tokens
@@ -164,18 +161,12 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
             for i, h in enumerate(samples):
                 sink.write(Sample(i, tokens[i].astype(np.int64), h))
             sink.close()
-
-        store = None
-
-        def read(i):
-            return store.read(i).hidden_states
     os.sync()
     t = time.perf_counter()
     write()
     os.sync()  # on disk: an extraction writes far more than the page cache holds
     out = {"write": raw / (time.perf_counter() - t), "disk": disk_bytes(scratch)}
-    if not layout.startswith("safetensors"):
-        store = ZarrStore(scratch)
+    read = open_reader(layout, scratch)
     for w in workers:
         read_pass(read, ids, w)  # warm the page cache
         out[f"warm{w}"] = raw / read_pass(read, ids, w)
@@ -183,7 +174,47 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
             out["gil"] = share
         if drop_page_cache():
             out[f"cold{w}"] = raw / read_pass(read, ids, w)
+    if max(workers) > 1:  # the same reads in as many processes: what the machine gives without a shared GIL
+        out[f"proc{max(workers)}"] = raw * max(workers) / process_pass(layout, scratch, ids, max(workers))
     return out
+
+
+def open_reader(layout: str, scratch: Path):
+    """The layout's read of sample `i` into a tensor."""
+    if layout == "safetensors":  # speculators (hs_connectors' FileTransfer): load_file, a mapped file
+        from safetensors.torch import load_file
+
+        return lambda i: load_file(scratch / f"{i}.safetensors")["hidden_states"]
+    if layout.startswith("safetensors"):  # read into memory, as loaders without mmap do
+        from safetensors.torch import load
+
+        return lambda i: load((scratch / f"{i}.safetensors").read_bytes())["hidden_states"]
+    from dspark.connector.zarr_store import ZarrStore
+
+    store = ZarrStore(scratch)
+    return lambda i: store.read(i).hidden_states
+
+
+def _process_reader(layout: str, scratch: Path, ids: list[int], start, times) -> None:
+    read = open_reader(layout, scratch)
+    read_pass(read, ids, 1)  # warm
+    start.wait()
+    times.put(read_pass(read, ids, 1))
+
+
+def process_pass(layout: str, scratch: Path, ids: list[int], n: int) -> float:
+    """Seconds until the last of `n` processes, started together, has read every sample once (warm)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # a fresh interpreter each: no GIL, no torch thread pool shared
+    start, times = ctx.Barrier(n), ctx.Queue()
+    procs = [ctx.Process(target=_process_reader, args=(layout, scratch, ids, start, times)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    took = max(times.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return took
 
 
 def codec_table(samples_file: Path, chunk_tokens: int | None) -> None:
@@ -309,8 +340,9 @@ def report(results: dict[str, list[dict]], raw: int, desc: list[str], args) -> N
     ref = {k: med(results["safetensors"], k) for k in cols + ["disk"]}
     print(f"# {'; '.join(desc)}; {raw / 1e9:.2f} GB raw; medians of {args.repeats} interleaved repetitions")
     heads = ["write GB/s"] + [f"read {kind} {w}w GB/s" for w in args.workers for kind in ("cold", "warm")]
-    print("| layout | size ratio | " + " | ".join(heads) + " | GIL held, 1 reader |")
-    print("|---|---:|" + "---:|" * (len(heads) + 1))
+    w = max(args.workers)
+    print("| layout | size ratio | " + " | ".join(heads) + f" | GIL held, 1 reader | warm {w} processes GB/s |")
+    print("|---|---:|" + "---:|" * (len(heads) + 2))
     for name, rows in results.items():
         gil = med(rows, "gil")
         cells = [f"{ref['disk'] / med(rows, 'disk'):.2f}"]
@@ -318,11 +350,15 @@ def report(results: dict[str, list[dict]], raw: int, desc: list[str], args) -> N
             v = med(rows, k)
             cells.append("n/a (not root)" if v is None else
                          f"{v / 1e9:.2f}" + ("" if name == "safetensors" else f" ({v / ref[k]:.2f}x)"))
-        print(f"| {name} | " + " | ".join(cells) + f" | {'-' if gil is None else f'{gil:.0%}'} |")
+        proc = med(rows, f"proc{w}")
+        print(f"| {name} | " + " | ".join(cells) + f" | {'-' if gil is None else f'{gil:.0%}'} | "
+              f"{'-' if proc is None else f'{proc / 1e9:.2f}'} |")
     for name, rows in results.items():
         if not name.startswith("safetensors") and len(args.workers) > 1 and 1 in args.workers:
             w, one, gil = max(args.workers), med(rows, "warm1"), med(rows, "gil")
             line = f"{name}: {w} readers / 1 reader = {med(rows, f'warm{w}') / one:.2f}x warm"
+            if med(rows, f"proc{w}"):
+                line += f" ({w} processes / 1 reader: {med(rows, f'proc{w}') / one:.2f}x)"
             if med(rows, "cold1"):
                 line += f", {med(rows, f'cold{w}') / med(rows, 'cold1'):.2f}x cold"
             if gil is not None:  # Amdahl with the GIL as the only serial part: other limits (memory) not counted

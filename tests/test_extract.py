@@ -138,6 +138,28 @@ def test_store_of_other_inputs_is_refused(verifier, prepared, store, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_extract_codec_is_recorded_a_store_keeps_its_own_and_the_card_repeats_it(verifier, prepared, tmp_path):
+    from dspark.model_card import Provenance, extract_command
+
+    root = tmp_path / "lz4"
+    args = ["extract", "--model", verifier, "--data", prepared, "--store", root, "--target-layer-ids", *LAYERS,
+            "--no-progress"]
+    run_cli(*args, "--codec", "lz4")
+    store = ZarrStore(root)
+    assert store.manifest.codec.name == "lz4" and store.manifest.checksum == "xxh3_64"
+    assert len(store) == len(PreparedData(prepared)) and all(store.damaged(i) is None for i in store.sample_ids)
+    proc = run_cli(*args, "--codec", "zstd", check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: store {root} was created with codec lz4, not zstd: a store keeps the codec it was created with "
+        "(fix: drop --codec to extend it, or pass a new --store for zstd)"]
+    assert '"extracted": 0' in run_cli(*args).stdout  # without --codec: the store's own
+    manifest = json.loads((root / "manifest.json").read_text())
+    line, _ = extract_command(Provenance(train={"target_layer_ids": LAYERS}, manifest=manifest))
+    assert " --codec lz4" in line.replace("\\\n    ", "")
+    manifest["codec"] = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+    assert "--codec" not in extract_command(Provenance(train={"target_layer_ids": LAYERS}, manifest=manifest))[0]
+
+
 def test_a_folder_of_other_files_is_not_taken_over_as_a_store(verifier, prepared, tmp_path):
     folder = tmp_path / "photos"
     folder.mkdir()

@@ -133,7 +133,6 @@ def _chunk_path(array_dir: Path, c: int, ndim: int, sep: str) -> Path:
     return array_dir / ".".join(keys) if sep == "." else array_dir.joinpath(*keys)
 
 
-_BLOSC = Blosc()  # decoding reads cname, shuffle and sizes from each chunk's own header
 # Our reader and writer threads are the parallelism; Blosc's global thread pool (used from the main
 # thread otherwise) serializes every caller behind one lock.
 numcodecs.blosc.use_threads = False
@@ -194,15 +193,20 @@ class _Array:
 
     def checked_size(self, c: int, f) -> int:
         """The size of chunk `c` (open as `f`), once its 16-byte Blosc header says this size for this
-        array's chunk; else _ChunkDamaged. Nothing else of the file is read.
+        array's chunk; else _ChunkDamaged. Nothing else of the file is read."""
+        size = os.fstat(f.fileno()).st_size
+        self._check_header(c, os.pread(f.fileno(), 16, 0), size)
+        return size
+
+    def _check_header(self, c: int, head: bytes, size: int) -> None:
+        """_ChunkDamaged unless `head` is a Blosc header of this array's chunk, `size` bytes compressed.
 
         Blosc 1 trusts the length in its header, so a truncated chunk would decode past the end
         of its buffer (garbage, or a segfault) instead of failing; and a file longer than its
         header says (a sparse 20 GB one) is never read whole.
         """
-        head, size = os.pread(f.fileno(), 16, 0), os.fstat(f.fileno()).st_size
         # Blosc 1 header: version, versionlz, flags, typesize, then nbytes, blocksize, cbytes (<I each)
-        nbytes, cbytes = struct.unpack_from("<I4xI", head, 4) if len(head) == 16 else (None, None)
+        nbytes, cbytes = struct.unpack_from("<I4xI", head, 4) if len(head) >= 16 else (None, None)
         if nbytes is not None and (nbytes != self.chunk_bytes or cbytes > nbytes + BLOSC_MAX_OVERHEAD):
             raise _ChunkDamaged(f"{self.where(c)} has a damaged header (a chunk of {nbytes} bytes, "
                                 f"{cbytes} compressed; this array's chunks hold {self.chunk_bytes})")
@@ -210,7 +214,6 @@ class _Array:
             raise _ChunkDamaged(f"{self.where(c)} is truncated ({size} of {cbytes or '?'} bytes)")
         if size > cbytes:
             raise _ChunkDamaged(f"{self.where(c)} is longer than its header says ({size} of {cbytes} bytes)")
-        return size
 
     def problem(self, c: int) -> str | None:
         """None if chunk `c` is a regular file of the size its header gives, else what is wrong.
@@ -226,12 +229,17 @@ class _Array:
         return None
 
     def decode(self, c: int, f, out: np.ndarray) -> None:
-        """Decode chunk `c` (open as `f`) into `out`, a C-contiguous array of the chunk's shape."""
-        size = self.checked_size(c, f)
+        """Decode chunk `c` (open as `f`) into `out`, a C-contiguous array of the chunk's shape.
+
+        One fstat and one read: the header is checked in the bytes read, and a file bigger than
+        any chunk of this array can be is never read (only its header, to say what is wrong).
+        """
+        size = os.fstat(f.fileno()).st_size
+        if size > self.chunk_bytes + BLOSC_MAX_OVERHEAD:
+            self._check_header(c, os.pread(f.fileno(), 16, 0), size)  # raises: damaged header, or too long
         data = read_upto(f, size)
-        if len(data) != size:
-            raise _ChunkDamaged(f"{self.where(c)} is truncated ({len(data)} of {size} bytes)")
-        _BLOSC.decode(data, out=out)
+        self._check_header(c, data[:16], len(data))
+        numcodecs.blosc.decompress(data, out)  # cname, shuffle and sizes from the chunk's own header
 
 
 @dataclass
