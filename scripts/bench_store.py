@@ -140,7 +140,7 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
     else:
         from dspark.connector.base import Sample
         from dspark.connector.manifest import StoreManifest, default_chunk_tokens
-        from dspark.connector.zarr_store import ZarrSink, ZarrStore
+        from dspark.connector.zarr_store import ZarrSink
 
         encoding = "fp8_e4m3" if layout.startswith("fp8") else "raw"
         per_token = L * H * (1 if encoding == "fp8_e4m3" else 2)
@@ -341,8 +341,9 @@ def report(results: dict[str, list[dict]], raw: int, desc: list[str], args) -> N
     print(f"# {'; '.join(desc)}; {raw / 1e9:.2f} GB raw; medians of {args.repeats} interleaved repetitions")
     heads = ["write GB/s"] + [f"read {kind} {w}w GB/s" for w in args.workers for kind in ("cold", "warm")]
     w = max(args.workers)
-    print("| layout | size ratio | " + " | ".join(heads) + f" | GIL held, 1 reader | warm {w} processes GB/s |")
-    print("|---|---:|" + "---:|" * (len(heads) + 2))
+    heads += ["GIL held, 1 reader"] + ([f"warm {w} processes GB/s"] if w > 1 else [])
+    print("| layout | size ratio | " + " | ".join(heads) + " |")
+    print("|---|---:|" + "---:|" * len(heads))
     for name, rows in results.items():
         gil = med(rows, "gil")
         cells = [f"{ref['disk'] / med(rows, 'disk'):.2f}"]
@@ -350,9 +351,11 @@ def report(results: dict[str, list[dict]], raw: int, desc: list[str], args) -> N
             v = med(rows, k)
             cells.append("n/a (not root)" if v is None else
                          f"{v / 1e9:.2f}" + ("" if name == "safetensors" else f" ({v / ref[k]:.2f}x)"))
-        proc = med(rows, f"proc{w}")
-        print(f"| {name} | " + " | ".join(cells) + f" | {'-' if gil is None else f'{gil:.0%}'} | "
-              f"{'-' if proc is None else f'{proc / 1e9:.2f}'} |")
+        cells.append("-" if gil is None else f"{gil:.0%}")
+        if w > 1:
+            proc = med(rows, f"proc{w}")
+            cells.append("-" if proc is None else f"{proc / 1e9:.2f}")
+        print(f"| {name} | " + " | ".join(cells) + " |")
     for name, rows in results.items():
         if not name.startswith("safetensors") and len(args.workers) > 1 and 1 in args.workers:
             w, one, gil = max(args.workers), med(rows, "warm1"), med(rows, "gil")

@@ -22,7 +22,7 @@ class SinkConfig:
     prepared_fingerprint: str | None = None
     verifier_name: str | None = None  # recorded in the manifest (default: the model folder's name)
     encoding: str = "raw"  # raw (lossless) | fp8_e4m3
-    codec: str | None = None  # a name in manifest.CODECS (default: zstd) for a new Zarr store
+    codec: str | None = None  # a name in dspark.codec.CODECS for a new Zarr store (default: zstd)
     chunk_tokens: int | None = None  # default: ~1 MiB chunks
     writer_threads: int = 4  # the connector's writer pool: writes overlap the next forward
     flush_interval_s: float = 0.5  # longest a finished sample waits in a partial Zarr chunk

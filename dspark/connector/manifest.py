@@ -12,8 +12,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
-from dspark.connector.checksum import Kind as ChecksumKind
 from dspark.codec import CODECS, DEFAULT_CODEC
+from dspark.connector.checksum import Kind as ChecksumKind
 from dspark.connector.encoding import bytes_per_token
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded

@@ -42,7 +42,7 @@ class ExtractConfig:
     batch_tokens: int = 8192
     max_batch_size: int = 64
     encoding: str = "raw"
-    codec: str | None = None  # a name in manifest.CODECS; None: the store's, or the default for a new store
+    codec: str | None = None  # a name in dspark.codec.CODECS; None: the store's, or the default for a new store
     chunk_tokens: int | None = None
     shard: str = "0/1"
     verifier_name: str | None = None
