@@ -39,7 +39,9 @@ echo "toy inputs ready in $((SECONDS - t0))s ($W)"
 servers_left() { pgrep -r R,S,D,T,t,I -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true; }
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 wait_gone() { for _ in $(seq 120); do case $(job_state "$1") in PENDING|RUNNING|COMPLETING) sleep 1 ;; *) return 0 ;; esac; done; fail "job $1 did not end"; }
-checkpoints() { ls -d "$1"/checkpoints/step-* 2>/dev/null | wc -l; }
+# Only checkpoints renamed into place: a save in progress is a step-N.tmp folder, and cancelling the
+# job then leaves nothing to resume from.
+checkpoints() { ls -d "$1"/checkpoints/step-* 2>/dev/null | grep -cv '\.tmp$' || true; }
 cached() { .venv/bin/dspark store info "$CACHE" | .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["samples"])'; }
 
 # 1. live: cancel mid-training, resubmit, resume.
