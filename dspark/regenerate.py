@@ -208,7 +208,7 @@ class VllmGenerator(Generator):
                              ) from None
         import torch
 
-        from dspark.extract.launch import cpu_env
+        from dspark.vllm_server import cpu_env
 
         os.environ.update(cpu_env())
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # a kill -9 leaves no orphaned engine behind

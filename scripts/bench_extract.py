@@ -93,7 +93,7 @@ def _vllm_worker(args, data, batches, warmup) -> float:
     """One arm in this process: build the engine, warm it up, return the seconds of the timed batches."""
     from dspark.connector.config import SinkConfig
     from dspark.extract.base import open_engine
-    from dspark.extract.launch import cpu_env
+    from dspark.vllm_server import cpu_env
 
     root = Path(tempfile.mkdtemp())
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import hf_cache_model, wait_for
+from dspark import vllm_server
 from dspark.extract import launch
 from dspark.net import free_port
 
@@ -200,35 +201,35 @@ def fake(tmp_path):
         wait_for(lambda: pids.exists() and pids.read_text().endswith("\n"), 10, "the fake server's worker")
         return int(pids.read_text())
 
-    return command, launch.health_url("127.0.0.1", port), worker
+    return command, vllm_server.health_url("127.0.0.1", port), worker
 
 
 def test_ready_then_child_status(fake, capsys):
     command, url, worker = fake
-    assert launch.run_server(command(0.5, "once"), {}, url, timeout=10) == 7
+    assert vllm_server.run_server(command(0.5, "once"), {}, url, timeout=10) == 7
     assert capsys.readouterr().err == f"vLLM extractor ready on {url}/v1\n"
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
 
 
 def test_child_exit_before_ready(fake, capsys):
     command, url, worker = fake
-    with pytest.raises(launch.ServerExited) as err:
-        launch.run_server(command(0.2, "exit3"), {}, url, timeout=10)
+    with pytest.raises(vllm_server.ServerExited) as err:
+        vllm_server.run_server(command(0.2, "exit3"), {}, url, timeout=10)
     assert err.value.exit_code == 3 and "ready" not in capsys.readouterr().err
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
 
 
 def test_timeout_kills_the_group(fake):
     command, url, worker = fake
-    with pytest.raises(launch.LaunchError, match="not healthy"):
-        launch.run_server(command(0, "hang"), {}, url, timeout=1)
+    with pytest.raises(vllm_server.LaunchError, match="not healthy"):
+        vllm_server.run_server(command(0, "hang"), {}, url, timeout=1)
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
 
 
 def test_kill_of_launcher_stops_server(fake):
     command, url, worker = fake
-    code = ("import sys; from dspark.extract import launch; "
-            f"sys.exit(launch.run_server({command(0, 'serve')!r}, {{}}, {url!r}, 10))")
+    code = ("import sys; from dspark import vllm_server; "
+            f"sys.exit(vllm_server.run_server({command(0, 'serve')!r}, {{}}, {url!r}, 10))")
     launcher = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     assert launcher.stderr.readline() == f"vLLM extractor ready on {url}/v1\n"
     launcher.send_signal(signal.SIGTERM)
@@ -239,6 +240,6 @@ def test_kill_of_launcher_stops_server(fake):
 def test_headless_follower_is_not_waited_for(fake, capsys):
     """A follower serves no /health: the launcher just runs it, and returns its status."""
     command, _, worker = fake
-    assert launch.run_server(command(0.2, "exit0"), {}, None, timeout=1) == 0
+    assert vllm_server.run_server(command(0.2, "exit0"), {}, None, timeout=1) == 0
     assert capsys.readouterr().err == "vLLM headless follower started; it serves its head's requests\n"
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
