@@ -371,6 +371,47 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
         click.echo(f"wrote {out}/decode.json, decode.md, decode.png")
 
 
+from dspark.bench.run import BenchConfig  # noqa: E402  (torch-free: its fields make the options below)
+
+
+@main.command()
+@config_file_option(BenchConfig)
+@options(BenchConfig)
+@click.option("--no-progress", is_flag=True)
+def bench(no_progress, **kw):
+    """Measure a running vLLM server: per-position acceptance from its own counters, tokens/s, TTFT, ITL.
+
+    Works against any vLLM deployment (GPU or CPU); --compare-endpoint sends the same prompts to a
+    second server (e.g. without speculative decoding) for the speedup. Writes OUTPUT/bench.json/.md/.png.
+    """
+    from dspark.bench.run import run_bench
+    from dspark.bench.report import markdown
+
+    cfg = build(BenchConfig, nest(kw), "the command line")
+    result, out = run_bench(cfg, progress=not no_progress,
+                            warn=lambda line: click.secho(f"warning: {line}", fg="yellow", err=True))
+    click.echo(markdown(result))
+    click.echo(f"wrote {out}/bench.json, bench.md, bench.png")
+
+
+from dspark.serve_draft import ServeDraftConfig  # noqa: E402  (torch-free: its fields make the options below)
+
+
+@main.command("serve-draft")
+@config_file_option(ServeDraftConfig)
+@options(ServeDraftConfig)
+@click.option("--print-only", is_flag=True, help="Print the vLLM command, its environment and speculative config.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- VLLM_FLAGS...]")
+def serve_draft(print_only, vllm_args, **kw):
+    """Serve the verifier in vLLM with an exported drafter (the speculative config its layout needs), n-gram
+    drafts, or none: what `dspark bench` measures. Run it from the environment that has vLLM (.venv-vllm)."""
+    from dspark.serve_draft import serve_draft as run
+
+    cfg = build(ServeDraftConfig, nest(kw), "the command line")
+    sys.exit(run(cfg, list(vllm_args), print_only,
+                 warn=lambda line: click.secho(f"WARNING: {line}", fg="red", err=True)))
+
+
 @main.command("export")
 @click.argument("checkpoint")
 @click.option("--output", required=True)

@@ -217,6 +217,8 @@ def _option(path, flags, f, hint) -> click.Option:
             return click.Option([flags[0], name], is_flag=True, default=default, **kw)
         return click.Option([f"{flags[0]}/--no-{flags[0][2:]}", name], default=default, **kw)
     if typing.get_origin(base) is list:
+        if typing.get_args(base) == (str,):  # a repeatable option: `--prompts a --prompts b`
+            return click.Option([*flags, name], multiple=True, default=default, **kw)
         return IntList([*flags, name], default=default, **kw)
     if typing.get_origin(base) is Literal:
         return click.Option([*flags, name], type=click.Choice(typing.get_args(base)), default=default, **kw)

@@ -42,13 +42,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from dspark.jsonio import dump_json
+from dspark.serve_draft import local_drafter
 
 
 def prompts_from_prepared(path: str, count: int) -> list[list[int]]:
@@ -63,16 +63,6 @@ def prompts_from_prepared(path: str, count: int) -> list[list[int]]:
         if first > 0:
             out.append([int(t) for t in ids[:first]])
     return out
-
-
-def local_drafter(drafter: Path, verifier: Path, tmp: Path) -> tuple[Path, dict]:
-    """A copy of the drafter folder whose config names the local verifier folder."""
-    dst = tmp / "drafter"
-    shutil.copytree(drafter, dst, symlinks=False)
-    config = json.loads((dst / "config.json").read_text())
-    config["speculators_config"]["verifier"]["name_or_path"] = str(verifier.resolve())
-    (dst / "config.json").write_text(json.dumps(config, indent=2))
-    return dst, config
 
 
 def read_counters(metrics) -> dict:
@@ -138,7 +128,8 @@ def main(argv=None) -> int:
     from vllm.inputs import TokensPrompt
 
     with tempfile.TemporaryDirectory(prefix="dflash-accept-") as tmp:
-        draft_dir, draft_cfg = local_drafter(drafter, verifier, Path(tmp))
+        draft_dir = local_drafter(drafter, verifier, Path(tmp))
+        draft_cfg = json.loads((draft_dir / "config.json").read_text())
         spec = None if args.method == "none" else {"method": args.method, "model": str(draft_dir),
                                                    "num_speculative_tokens": args.num_speculative_tokens}
         llm = LLM(model=str(verifier.resolve()), tokenizer=str(verifier.resolve()), speculative_config=spec,

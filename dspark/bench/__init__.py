@@ -1,0 +1,1 @@
+"""`dspark bench`: a running vLLM server measured from outside (client clocks) and inside (its counters)."""
