@@ -58,6 +58,20 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+def require_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on: its /health would answer for the server we start,
+    which then fails to bind while we report it ready."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to vLLM too
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise InputError(f"port {port} on {host} is in use ({e.strerror})",
+                             "stop what listens there, or pass another --port") from None
+
+
 def health_url(host: str | None, port: int) -> str:
     # A wildcard bind (or vLLM's default, None: every interface) answers on loopback.
     host = {None: "127.0.0.1", "": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)

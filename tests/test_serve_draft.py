@@ -3,6 +3,7 @@ started; the served run itself is in test_vllm_dflash.py)."""
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,15 @@ def test_print_only_on_a_real_export(reference_run, verifier, tmp_path):
     bad = run_cli("serve-draft", "--verifier", verifier, "--drafter", tmp_path, check=False)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         f"error: --drafter {tmp_path} has no config.json (fix: pass a `dspark export` folder or RUN/latest)"]
+
+
+def test_a_port_in_use_is_refused_before_vllm_starts(verifier):
+    """Another server's /health on the port would answer for ours, and report it ready while it fails to bind."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        out = run_cli("serve-draft", "--verifier", verifier, "--method", "none", "--port", port, check=False)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is in use (Address already in use) (fix: stop what listens there, or "
+        "pass another --port)"]

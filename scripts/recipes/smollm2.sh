@@ -180,7 +180,9 @@ serve_one() {  # serve_one METHOD PORT: start `dspark serve-draft` in the backgr
   local method=$1 port=$2 drafter=()
   [ "$method" = dflash ] && drafter=(--drafter "$R/export-served")
   [ "$method" = ngram ] && drafter=(--num-speculative-tokens "$NGRAM_TOKENS")
-  VLLM_CPU_KVCACHE_SPACE=$SERVE_KVCACHE_GIB vdspark serve-draft --verifier "$M" --method "$method" "${drafter[@]}" \
+  # the command itself in the background, not through vdspark(): $! must be the server, which stops its
+  # vLLM on SIGTERM (a function's subshell would die alone and leave vLLM serving on the port)
+  VLLM_CPU_KVCACHE_SPACE=$SERVE_KVCACHE_GIB .venv-vllm/bin/dspark serve-draft --verifier "$M" --method "$method" "${drafter[@]}" \
     --port "$port" --dtype float32 -- --enforce-eager > "$R/logs/serve-$method.log" 2>&1 &
   SERVERS[$method]=$!
   until grep -q "ready on" "$R/logs/serve-$method.log"; do
