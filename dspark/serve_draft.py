@@ -27,9 +27,9 @@ from typing import Literal
 from dspark.config import check_settings, setting
 from dspark.errors import InputError
 from dspark.model_card import dflash_note, speculative_config
-from dspark.vllm_server import cpu_env, health_url, offline_env, require_free, run_server
+from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, require_free, run_server
 
-# Flags serve-draft sets itself: a second copy after `--` would silently win in vLLM's parser.
+# vLLM flags serve-draft sets itself: refused after `--`.
 OWNED_FLAGS = {"--model", "--speculative-config", "--host", "--port", "--dtype", "--max-model-len"}
 
 
@@ -100,7 +100,8 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str | Non
         return "ngram", cfg.num_speculative_tokens or 4, None
     config = drafter_config(cfg.drafter)
     anchor = config.get("sample_from_anchor", True)
-    tokens = cfg.num_speculative_tokens or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    tokens = (cfg.num_speculative_tokens
+              or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     method = cfg.method if cfg.method != "auto" else ("dspark" if anchor and gpu else "dflash")
     if method == "dspark" and not gpu:
         raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
@@ -114,9 +115,7 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str | Non
 
 def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None, gpu: bool) -> dict:
     """The server's argv, the environment it adds, its /health URL, the speculative config, and a warning."""
-    from dspark.extract.launch import _flag_name
-
-    clash = sorted({_flag_name(word) for word in vllm_flags} & OWNED_FLAGS)
+    clash = owned_flags(vllm_flags, OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what serve-draft sets",
                          "pass it as serve-draft's own option, before `--`")
@@ -132,7 +131,8 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
                *(["--dtype", cfg.dtype] if cfg.dtype else []),
                *(["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []),
                *(["--speculative-config", json.dumps(spec)] if spec else []), *vllm_flags]
-    env = {**cpu_env(), **offline_env(cfg.verifier, None), **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if method == "dspark" else {})}
+    env = {**cpu_env(), **offline_env(cfg.verifier, None),
+           **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if method == "dspark" else {})}
     return {"command": command, "env": env, "health": health_url(cfg.host, cfg.port), "method": method,
             "speculative_config": spec, "warning": warning}
 
@@ -155,5 +155,6 @@ def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool =
         require_free(cfg.host, cfg.port)
         if p["warning"]:
             warn(p["warning"])
-        what = {"none": "no speculative decoding", "ngram": "n-gram drafts"}.get(p["method"], f"{p['method']} drafter")
+        what = {"none": "no speculative decoding", "ngram": "n-gram drafts"}.get(p["method"],
+                                                                                f"{p['method']} drafter")
         return run_server(p["command"], p["env"], p["health"], cfg.health_timeout, ready=f"vLLM ({what}) ready")

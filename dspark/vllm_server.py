@@ -58,6 +58,16 @@ def exit_status(returncode: int) -> int:
     return returncode if returncode >= 0 else 128 - returncode
 
 
+def flag_name(word: str) -> str:
+    """A word as vLLM's parser names the flag: `--max_model_len=8` is `--max-model-len`."""
+    return word.split("=")[0].replace("_", "-")
+
+
+def owned_flags(vllm_flags: list[str], owned: set[str]) -> list[str]:
+    """Those of vLLM's flags that the caller sets itself: a second copy would silently win in vLLM's parser."""
+    return sorted({flag_name(word) for word in vllm_flags} & owned)
+
+
 def require_free(host: str, port: int) -> None:
     """Refuse a port something already listens on: its /health would answer for the server we start,
     which then fails to bind while we report it ready."""

@@ -26,7 +26,8 @@ def markdown(result: dict) -> str:
              f"{cfg['concurrency']} request(s) in flight, {cfg['max_tokens']} tokens per request, {sampling}"
              f"{', ignore_eos' if cfg['ignore_eos'] else ''}.", ""]
     for s in result["servers"]:
-        lines.append(f"- {s['label']}: {s['url']} ({'speculative decoding' if s['speculative'] else 'no speculative decoding'})")
+        kind = "speculative decoding" if s["speculative"] else "no speculative decoding"
+        lines.append(f"- {s['label']}: {s['url']} ({kind})")
     pos = "".join(f" {k} |" for k in range(1, n + 1))
     lines += ["", "Acceptance counted by the server (vLLM's spec_decode counters, per-position rate = accepted at "
               "that position / drafts; mean length includes the verifier's own token) and what the client measured:",
@@ -39,7 +40,8 @@ def markdown(result: dict) -> str:
             if spec is None:
                 rates, drafts, mean = " - |" * n, "-", "no spec decode"
             else:
-                rates = "".join(f" {p['rate']:.3f} |" for p in spec["positions"]) + " - |" * (n - len(spec["positions"]))
+                rates = "".join(f" {p['rate']:.3f} |" for p in spec["positions"])
+                rates += " - |" * (n - len(spec["positions"]))
                 drafts = str(spec["drafts"])
                 mean = f"{spec['mean_acceptance_length']:.2f}" if spec["drafts"] else "no drafts"
             speedup = d.get("speedup") if r["server"] == "endpoint" else None

@@ -33,7 +33,7 @@ from pathlib import Path
 from dspark.config import MooncakeConfig, cli_leaves
 from dspark.errors import DsparkError, InputError
 from dspark.hub import local_model
-from dspark.vllm_server import cpu_env, health_url, offline_env, run_server
+from dspark.vllm_server import cpu_env, flag_name, health_url, offline_env, owned_flags, run_server
 
 CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
              "kv_role": "kv_producer"}
@@ -151,7 +151,7 @@ def sink_config(args: argparse.Namespace) -> dict:
 def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
     """The server's argv, the environment it adds, the /health URL to wait for (None for a headless
     follower) and the two configs: what --print-only shows."""
-    clash = sorted({_flag_name(word) for word in vllm_flags} & OWNED_FLAGS)
+    clash = owned_flags(vllm_flags, OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
                          "pass MODEL before `--`; the launcher builds the two configs itself")
@@ -177,15 +177,10 @@ def vllm_flag(vllm_flags: list[str], name: str) -> str | None:
     """The value vLLM's parser takes for `name` (`--name V` or `--name=V`, `_` for `-` too; the last wins)."""
     value = None
     for i, word in enumerate(vllm_flags):
-        if _flag_name(word) == name:
+        if flag_name(word) == name:
             _, eq, rest = word.partition("=")
             value = rest if eq else (vllm_flags[i + 1] if i + 1 < len(vllm_flags) else None)
     return value
-
-
-def _flag_name(word: str) -> str:
-    """A word as vLLM's parser names the flag: `--max_model_len=8` is `--max-model-len`."""
-    return word.split("=")[0].replace("_", "-")
 
 
 def _address(args: argparse.Namespace, vllm_flags: list[str]) -> tuple[str | None, int, list[str]]:
