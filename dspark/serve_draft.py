@@ -27,7 +27,7 @@ from typing import Literal
 from dspark.config import check_settings, setting
 from dspark.errors import InputError
 from dspark.model_card import dflash_note, speculative_config
-from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, require_free, run_server
+from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, run_server
 
 # vLLM flags serve-draft sets itself: refused after `--`.
 OWNED_FLAGS = {"--model", "--speculative-config", "--host", "--port", "--dtype", "--max-model-len"}
@@ -152,7 +152,6 @@ def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool =
         if print_only:
             print(json.dumps(p, indent=2))
             return 0
-        require_free(cfg.host, cfg.port)
         if p["warning"]:
             warn(p["warning"])
         what = {"none": "no speculative decoding", "ngram": "n-gram drafts"}.get(p["method"],

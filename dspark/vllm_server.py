@@ -68,18 +68,23 @@ def owned_flags(vllm_flags: list[str], owned: set[str]) -> list[str]:
     return sorted({flag_name(word) for word in vllm_flags} & owned)
 
 
-def require_free(host: str, port: int) -> None:
-    """Refuse a port something already listens on: its /health would answer for the server we start,
-    which then fails to bind while we report it ready."""
+def require_free(url: str) -> None:
+    """Refuse a /health URL whose port something already listens on: that server would answer for the one
+    we start, which then fails to bind while we report it ready. (Other bind errors are vLLM's to report.)"""
+    import errno
     import socket
+    import urllib.parse
 
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to vLLM too
         try:
             s.bind((host, port))
         except OSError as e:
-            raise InputError(f"port {port} on {host} is in use ({e.strerror})",
-                             "stop what listens there, or pass another --port") from None
+            if e.errno == errno.EADDRINUSE:
+                raise InputError(f"port {port} on {host} is in use ({e.strerror})",
+                                 "stop what listens there, or pass another --port") from None
 
 
 def health_url(host: str | None, port: int) -> str:
@@ -120,6 +125,8 @@ def run_server(command: list[str], env: dict[str, str], url: str | None, timeout
     """Run the server until it exits; return its exit status. The group never outlives this call.
 
     `url` None: a headless follower, which has no /health to wait for. `ready` starts the line said once it is up."""
+    if url is not None:
+        require_free(url)
     # Its own session: a terminal's Ctrl-C reaches only us, and we can kill the group as one.
     proc = subprocess.Popen(command, env={**os.environ, **env}, start_new_session=True)
 

@@ -6,6 +6,7 @@ vLLM itself never runs here: a tiny http.server script stands in for the server 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import hf_cache_model, wait_for
 from dspark import vllm_server
+from dspark.errors import InputError
 from dspark.extract import launch
 from dspark.net import free_port
 
@@ -224,6 +226,18 @@ def test_timeout_kills_the_group(fake):
     with pytest.raises(vllm_server.LaunchError, match="not healthy"):
         vllm_server.run_server(command(0, "hang"), {}, url, timeout=1)
     wait_for(lambda: not _alive(worker()), 5, "the worker to be stopped")
+
+
+def test_a_port_in_use_is_refused_before_the_server_starts(fake, tmp_path):
+    """Whatever listens on the port would answer /health for our server, which then fails to bind."""
+    command, url, _ = fake
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as other:
+        other.bind((host, int(port)))
+        other.listen()
+        with pytest.raises(InputError, match=f"port {port} on {host} is in use"):
+            vllm_server.run_server(command(0, "serve"), {}, url, timeout=10)
+    assert not (tmp_path / "pids").exists()  # never started
 
 
 def test_kill_of_launcher_stops_server(fake):
