@@ -306,6 +306,9 @@ def launch_vllm(argv):
     launch(argv)
 
 
+from dspark.decode.config import CompareConfig, DecodeConfig, SamplingConfig  # noqa: E402  (torch-free)
+
+
 @main.command("eval")
 @click.option("--checkpoint", required=True, help="A checkpoint folder, e.g. RUN/latest.")
 @click.option("--store", default=None, help="The Zarr store to score on (default: the run's).")
@@ -326,13 +329,7 @@ def launch_vllm(argv):
 @click.option("--prompts", multiple=True, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, "
               "ShareGPT, HumanEval, MT-bench question.jsonl, LongBench JSONL (any gzipped) or a prepared folder "
               "(default: the run's prepared data).")
-@click.option("--max-prompts", type=click.IntRange(min=1), default=20, show_default=True, help="Per prompt set.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--temperature", type=FiniteFloatRange(min=0), default=0.0, show_default=True, help="0: greedy.")
-@click.option("--draft-sample", type=click.Choice(["probabilistic", "greedy"]), default="probabilistic",
-              show_default=True, help="vLLM's draft_sample_method (temperature > 0).")
-@click.option("--rejection", type=click.Choice(["block", "standard"]), default="block", show_default=True,
-              help="vLLM's rejection_sample_method (temperature > 0).")
+@options(SamplingConfig)
 @click.option("--layout", type=click.Choice(["dspark", "dflash-v1"]), default="dspark", show_default=True,
               help="dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: as vLLM V1's "
                    "`method: dflash` would serve this checkpoint.")
@@ -340,23 +337,19 @@ def launch_vllm(argv):
 @click.option("--confidence-threshold", type=FiniteFloatRange(0, 1, min_open=True), default=0.5, show_default=True,
               help="Also decode with blocks cut where the confidence head's running survival falls below this.")
 @click.option("--no-confidence", is_flag=True, help="Skip the confidence-cut decode.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--ignore-eos", is_flag=True, help="Decode the full --max-new-tokens for every prompt.")
 @click.option("--no-progress", is_flag=True)
 def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output, device, on_damaged, max_anchors,
-             anchor_seed, decode, prompts, max_prompts, max_new_tokens, temperature, draft_sample, rejection, layout,
-             num_speculative_tokens, confidence_threshold, no_confidence, dtype, seed, ignore_eos, no_progress):
+             anchor_seed, decode, prompts, layout, num_speculative_tokens, confidence_threshold, no_confidence,
+             no_progress, **sampling):
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
     from dspark.evaluate import markdown, run_eval
 
     verifier_name_or_path = _local(verifier_name_or_path)
     if decode:  # its mistakes are one line before the teacher-forced pass, not after it
-        from dspark.decode.run import DecodeConfig
-
-        cfg = DecodeConfig(checkpoint, list(prompts), verifier_name_or_path, max_prompts, max_new_tokens, temperature,
-                           draft_sample, rejection, layout, num_speculative_tokens,
-                           None if no_confidence else confidence_threshold, dtype, seed, ignore_eos).validate()
+        cfg = DecodeConfig(checkpoint=checkpoint, prompts=list(prompts), verifier=verifier_name_or_path,
+                           layout=layout, num_speculative_tokens=num_speculative_tokens,
+                           confidence_threshold=None if no_confidence else confidence_threshold,
+                           **sampling).validate()
     sample = {k: v for k, v in (("max_anchors", max_anchors), ("anchor_seed", anchor_seed)) if v is not None}
     result, out = run_eval(checkpoint, store, data_path, verifier_name_or_path, output, split, device, on_damaged,
                            **sample)
@@ -369,6 +362,25 @@ def eval_cmd(checkpoint, store, data_path, verifier_name_or_path, split, output,
         decoded, out = run_decode(cfg, teacher_forced=result, output=output, progress=not no_progress)
         click.echo(decode_markdown(decoded))
         click.echo(f"wrote {out}/decode.json, decode.md, decode.png")
+
+
+@main.command()
+@config_file_option(CompareConfig)
+@options(CompareConfig)
+@click.option("--no-progress", is_flag=True)
+def compare(no_progress, **kw):
+    """Drafters of every kind (checkpoints or exports) and prompt lookup, side by side in one decode loop.
+
+    The same prompts and seeds for each: per set, per-position acceptance, mean acceptance length,
+    drafted tokens/s, speedup over the verifier alone, training steps and time, parameters.
+    Writes OUTPUT/compare.json/.md/.png (one bar per drafter per set).
+    """
+    from dspark.decode.compare import markdown, run_compare
+
+    cfg = build(CompareConfig, nest(kw), "the command line")
+    result, out = run_compare(cfg, progress=not no_progress)
+    click.echo(markdown(result))
+    click.echo(f"wrote {out}/compare.json, compare.md, compare.png")
 
 
 from dspark.bench.run import BenchConfig  # noqa: E402  (torch-free: its fields make the options below)

@@ -42,36 +42,43 @@ def observe_forward():
     import speculators.models.dspark.core as dspark_core
 
     seen: dict = {}
-    metrics_fn, anchors_fn = dspark_core.compute_metrics, dflash_core.select_anchors
+    dspark_fn, dflash_fn, anchors_fn = dspark_core.compute_metrics, dflash_core.compute_metrics, dflash_core.select_anchors
 
-    def metrics_spy(logits, targets, confidence_logits, loss_mask, *a, **kw):
+    def dspark_spy(logits, targets, confidence_logits, loss_mask, *a, **kw):
         seen.update(logits=logits, targets=targets, confidence=confidence_logits, mask=loss_mask)
-        return metrics_fn(logits, targets, confidence_logits, loss_mask, *a, **kw)
+        return dspark_fn(logits, targets, confidence_logits, loss_mask, *a, **kw)
+
+    def dflash_spy(logits, targets, loss_mask, *a, **kw):  # a DFlash drafter: no confidence head
+        seen.update(logits=logits, targets=targets, confidence=None, mask=loss_mask)
+        return dflash_fn(logits, targets, loss_mask, *a, **kw)
 
     def anchors_spy(*a, **kw):
         seen["anchors"] = anchors_fn(*a, **kw)
         return seen["anchors"]
 
-    dspark_core.compute_metrics, dflash_core.select_anchors = metrics_spy, anchors_spy
+    dspark_core.compute_metrics, dflash_core.compute_metrics = dspark_spy, dflash_spy
+    dflash_core.select_anchors = anchors_spy
     try:
         yield seen
     finally:
-        dspark_core.compute_metrics, dflash_core.select_anchors = metrics_fn, anchors_fn
+        dspark_core.compute_metrics, dflash_core.compute_metrics = dspark_fn, dflash_fn
+        dflash_core.select_anchors = anchors_fn
 
 
 def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
     """The drafter in `ckpt` (a folder `require_checkpoint` accepted), with every tensor it saves loaded."""
     from safetensors import SafetensorError
-    from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 
-    from dspark.train.checkpoint import check_weight_names, damaged, first_line, weight_names
+    from dspark.kinds import kind_of
+    from dspark.train.checkpoint import check_weight_names, damaged, first_line, read_config, weight_names
     from dspark.train.model import attn_impl
 
     ckpt = Path(ckpt)
+    kind = kind_of(read_config(ckpt), f"{ckpt}/config.json")
     try:
-        config = DSparkSpeculatorConfig.from_pretrained(ckpt)
+        config = kind.config_class.from_pretrained(ckpt)
     except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a ValueError
-        raise damaged(ckpt, f"config.json is not a DSpark drafter config ({first_line(e)})") from None
+        raise damaged(ckpt, f"config.json is not a {kind.name} drafter config ({first_line(e)})") from None
     config.transformer_layer_config._attn_implementation = attn_impl(device)
     verifier = verifier or config.speculators_config.verifier.name_or_path
     if not verifier or not Path(verifier).exists():
@@ -80,7 +87,7 @@ def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
     # The drafter borrows the verifier's embeddings, final norm and lm_head from this path.
     config.speculators_config.verifier.name_or_path = str(verifier)
     try:
-        model = DSparkDraftModel.from_pretrained(ckpt, config=config)
+        model = kind.model_class.from_pretrained(ckpt, config=config)
     except (SafetensorError, RuntimeError, ValueError) as e:  # a tensor of another shape, a damaged file
         raise damaged(ckpt, f"model.safetensors does not load ({first_line(e)})") from None
     # from_pretrained leaves a tensor the file lacks at its initial value with at most a log line

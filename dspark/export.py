@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 from dspark.errors import InputError
+from dspark.kinds import kind_of
 from dspark.model_card import FIGURES, docker_command, render, serve_command, terminal_note
 
 # The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
@@ -75,6 +76,7 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
         copy_atomic(code, out / code.name)
     write_atomic(out / "config.json", json.dumps(config, indent=2))
     tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    method = kind_of(config, f"{src}/config.json").vllm_method
     card, figures = render(src, config, verifier_name, out)
     for name in FIGURES:  # a figure of an earlier export whose report no longer matches goes
         (out / name).unlink(missing_ok=True)
@@ -82,8 +84,8 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
         copy_atomic(figure, out / name)
     write_atomic(out / "README.md", card)
     return {"export": str(out), "verifier": verifier_name,
-            "serve": serve_command(verifier_name, str(out), tokens),
-            "docker": docker_command(verifier_name, str(out.resolve()), tokens),
+            "serve": serve_command(verifier_name, str(out), tokens, method),
+            "docker": docker_command(verifier_name, str(out.resolve()), tokens, method),
             "note": terminal_note(config),
             "files": sorted(["config.json", "model.safetensors", "README.md", *(n for _, n in figures),
                              *(p.name for p in src.glob("*.py"))])}

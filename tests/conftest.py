@@ -126,6 +126,20 @@ def hf_cache_model(hf_home: Path, repo_id: str, source: Path | None = None, conf
     return snapshot
 
 
+def prompt_ids(prepared: Path, n: int) -> list[list[int]]:
+    """The first `n` prepared samples, each cut before its first supervised token: the prompt of its first reply."""
+    import numpy as np
+
+    from dspark.prepare import PreparedData
+
+    data = PreparedData(prepared)
+    out = []
+    for i in range(n):
+        ids, mask = data.sample(i)
+        out.append([int(t) for t in ids[: int(np.argmax(mask > 0))]])
+    return out
+
+
 def write_jsonl(path: Path, records) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
     return path

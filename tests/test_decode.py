@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_cli, train_cfg, write_jsonl
+from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
 from dspark.decode.drafter import DraftContext, Drafter, Proposal
 from dspark.decode.loop import accept, autoregressive, prefill, speculative
 from dspark.decode.report import summarize
-from dspark.decode.run import DecodeConfig
+from dspark.decode.config import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.errors import InputError
 from dspark.evaluate import load_checkpoint
@@ -21,15 +21,6 @@ from dspark.prepare import PreparedData
 
 def refuse_non_json(token):
     raise AssertionError(f"{token} is not JSON")
-
-
-def _prompts(prepared, n):
-    data = PreparedData(prepared)
-    out = []
-    for i in range(n):
-        ids, mask = data.sample(i)
-        out.append([int(t) for t in ids[: int(np.argmax(mask > 0))]])
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +51,7 @@ def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anc
         _, logits, *_ = model._backbone_forward(
             states[None], ids[None], only_this_anchor, torch.zeros(1, T, model.config.transformer_layer_config.hidden_size),
             torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None], max_anchors=1)
-        ours = model.lm_head(drafter._block_hidden(drafter.context(states[:anchor]), int(ids[anchor])))
+        ours = model.lm_head(drafter._block_hidden(drafter.context(ids[:anchor], states[:anchor]), int(ids[anchor])))
     torch.testing.assert_close(ours, logits[0], atol=1e-4, rtol=1e-4)  # float32, any x86 CPU
 
 
@@ -68,12 +59,12 @@ def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anc
 def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(decoder, prepared, layout):
     model, v = decoder
     cached, reference = Drafter(model, layout), Drafter(model, layout, kv_cache=False)
-    prompt = _prompts(prepared, 1)[0]
+    prompt = prompt_ids(prepared, 1)[0]
     ids = prompt + autoregressive(v, prompt, 48).tokens
     v.reset()
     _, states = v.forward(ids)
     P = len(prompt)
-    ctx, ref = cached.context(states[:P]), reference.context(states[:P])
+    ctx, ref = cached.context(ids[:P], states[:P]), reference.context(ids[:P], states[:P])
     # extended as decoding does, by 1 + accepted tokens per step, past the room first reserved
     for step, n in enumerate([1, 9, 3, 1, 5, 9, 9, 2]):
         anchor = ids[ctx.length]
@@ -87,12 +78,12 @@ def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(dec
         ours, theirs = cached.propose(ctx, anchor, 1.0, g1), reference.propose(ref, anchor, 1.0, g2)
         assert ours.tokens.tolist() == theirs.tokens.tolist()
         torch.testing.assert_close(ours.probs, theirs.probs, rtol=1e-4, atol=1e-6)
-        cached.extend(ctx, states[ctx.length:ctx.length + n])
-        reference.extend(ref, states[ref.length:ref.length + n])
+        cached.extend(ctx, ids[ctx.length:ctx.length + n], states[ctx.length:ctx.length + n])
+        reference.extend(ref, ids[ref.length:ref.length + n], states[ref.length:ref.length + n])
         assert ctx.length == ref.length == len(ref.hidden)
     assert ctx.capacity > P + 9 + cached.slots  # it grew
     ctx.rewind(P)  # a prompt's context, reused: the same proposals as a new one
-    fresh = cached.context(states[:P])
+    fresh = cached.context(ids[:P], states[:P])
     assert cached.propose(ctx, ids[P]).tokens.tolist() == cached.propose(fresh, ids[P]).tokens.tolist()
     torch.testing.assert_close(cached._block_hidden(ctx, ids[P]), cached._block_hidden(fresh, ids[P]),
                                rtol=0, atol=0)
@@ -101,7 +92,7 @@ def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(dec
 def test_the_verifiers_grouped_query_attention_computes_what_transformers_sdpa_does(decoder, prepared):
     _, v = decoder
     assert v.model.config._attn_implementation == GQA_SDPA and v.model.config.num_key_value_heads == 2
-    prompt = _prompts(prepared, 1)[0]
+    prompt = prompt_ids(prepared, 1)[0]
     out = {}
     try:
         for impl in (GQA_SDPA, "sdpa"):
@@ -123,7 +114,7 @@ def test_the_verifiers_grouped_query_attention_computes_what_transformers_sdpa_d
 def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder, prepared, temperature):
     model, v = decoder
     drafter, eos = Drafter(model), {v.model.config.eos_token_id}
-    prompt = _prompts(prepared, 3)[2]
+    prompt = prompt_ids(prepared, 3)[2]
     gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
     kw = dict(temperature=temperature, eos=eos)
     alone = [speculative(v, drafter, prompt, 40, gen=gen(), **kw), autoregressive(v, prompt, 40, gen=gen(), **kw),
@@ -147,7 +138,7 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
     drafter = Drafter(model, layout)
     traces = []
     eos = {v.model.config.eos_token_id}
-    for prompt in _prompts(prepared, 6):
+    for prompt in prompt_ids(prepared, 6):
         spec = speculative(v, drafter, prompt, 40, confidence_threshold=threshold, eos=eos)
         assert spec.tokens == autoregressive(v, prompt, 40, eos=eos).tokens
         # every step yields its accepted drafts and one token of the verifier's; the last step may pass
@@ -178,10 +169,10 @@ class _Oracle:
     def __init__(self, reference: list[int], prompt_len: int, n: int):
         self.reference, self.prompt_len, self.num_speculative_tokens = reference, prompt_len, n
 
-    def context(self, states):
+    def context(self, tokens, states):
         return DraftContext([], [], states)
 
-    def extend(self, ctx, states):
+    def extend(self, ctx, tokens, states):
         ctx.hidden, ctx.length = torch.cat([ctx.hidden, states]), ctx.length + len(states)
 
     def propose(self, ctx, anchor, *_, **__):
@@ -193,7 +184,7 @@ class _Oracle:
 def test_a_stop_token_among_accepted_drafts_ends_the_request(decoder, prepared):
     model, v = decoder
     eos = {v.model.config.eos_token_id}
-    prompt = _prompts(prepared, 1)[0]
+    prompt = prompt_ids(prepared, 1)[0]
     reference = autoregressive(v, prompt, 64, eos=eos).tokens
     assert reference[-1] in eos, "the fixture's verifier should end this reply with its stop token"
     # a block size that puts the stop token inside a block: a step yields n accepted drafts + 1
@@ -279,9 +270,9 @@ def test_eval_decode_refuses_a_nan_or_infinite_setting_before_loading_anything(t
     assert proc.returncode == 2 and proc.stderr.startswith("error: --temperature inf must be a finite number")
     assert len(proc.stderr.strip().splitlines()) == 1
     with pytest.raises(InputError, match=r"^--temperature nan must be a finite number"):
-        DecodeConfig("ckpt", temperature=math.nan).validate()
+        DecodeConfig(checkpoint="ckpt", temperature=math.nan).validate()
     with pytest.raises(InputError, match=r"^--confidence-threshold nan must be a finite number"):
-        DecodeConfig("ckpt", confidence_threshold=math.nan).validate()
+        DecodeConfig(checkpoint="ckpt", confidence_threshold=math.nan).validate()
 
 
 def test_longbench_refuses_a_target_length_no_context_window_holds(verifier, tmp_path):

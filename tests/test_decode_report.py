@@ -9,7 +9,8 @@ import pytest
 from dspark.decode import loop
 from dspark.decode.prompts import Prompt, PromptSet
 from dspark.decode.report import markdown
-from dspark.decode.run import DecodeConfig, _decode_set
+from dspark.decode.config import DecodeConfig
+from dspark.decode.run import _decode_set
 from dspark.evaluate import write_report
 from dspark.train.checkpoint import RunDir
 from dspark.train.metrics import MetricLog

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from dspark.config import build
+from dspark.decode.config import PromptLookupConfig
 from dspark.errors import InputError
 from dspark.export import export
 from dspark.serve_draft import ServeDraftConfig, choose, plan
@@ -40,7 +42,7 @@ def test_the_layout_picks_the_method(tmp_path):
 
 
 def test_plan_baselines_and_the_v2_runner(tmp_path):
-    ngram = plan(ServeDraftConfig("v", method="ngram", prompt_lookup_max=3), ["--enforce-eager"], None, gpu=False)
+    ngram = plan(ServeDraftConfig("v", method="ngram", lookup=PromptLookupConfig(prompt_lookup_max=3)), ["--enforce-eager"], None, gpu=False)
     assert ngram["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
                                            "prompt_lookup_max": 3}
     assert ngram["command"][-1] == "--enforce-eager" and ngram["health"] == "http://127.0.0.1:8000"
@@ -56,11 +58,11 @@ def test_plan_baselines_and_the_v2_runner(tmp_path):
 @pytest.mark.parametrize("kw, message", [
     (dict(method="ngram", drafter="d"), "--method ngram takes no --drafter"),
     (dict(), "--method auto needs --drafter"),
-    (dict(method="ngram", prompt_lookup_min=4, prompt_lookup_max=2), "--prompt-lookup-min 4 is above"),
+    (dict(method="ngram", lookup=dict(prompt_lookup_min=4, prompt_lookup_max=2)), "--prompt-lookup-min 4 is above"),
 ])
 def test_settings_that_cannot_serve_are_refused(kw, message):
     with pytest.raises(InputError, match=message):
-        ServeDraftConfig("v", **kw)
+        build(ServeDraftConfig, {"verifier": "v", **kw})
 
 
 def test_flags_after_the_separator_that_serve_draft_owns_are_refused():

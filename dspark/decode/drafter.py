@@ -1,4 +1,4 @@
-"""A dspark checkpoint proposing draft blocks from the verifier's captured states, as vLLM serves it.
+"""A DSpark or DFlash checkpoint proposing draft blocks from the verifier's captured states, as vLLM serves it.
 
 One proposal, anchored at position p (the token the verifier sampled last, whose own hidden
 state is not known yet):
@@ -26,12 +26,10 @@ Two layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-Layout = Literal["dspark", "dflash-v1"]
-DraftSample = Literal["probabilistic", "greedy"]
+from dspark.decode.config import DraftSample, Layout
 
 
 @dataclass
@@ -97,14 +95,16 @@ class Drafter:
             self.num_speculative_tokens = (num_speculative_tokens or
                                            cfg.speculators_config.proposal_methods[0].speculative_tokens)
             self.slots = 1 + self.num_speculative_tokens
-        self.markov = model.markov_head if layout == "dspark" else None
-        self.confidence = model.confidence_head if layout == "dspark" else None
+        # a DFlash drafter has neither head; nor do DSpark's serve in vLLM's dflash-v1 layout
+        self.markov = getattr(model, "markov_head", None) if layout == "dspark" else None
+        self.confidence = getattr(model, "confidence_head", None) if layout == "dspark" else None
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
     @torch.no_grad()
-    def context(self, states: torch.Tensor) -> DraftContext:
-        """A request's context from the verifier's states of its prompt, `[n, layers*hidden]`."""
+    def context(self, tokens, states: torch.Tensor) -> DraftContext:
+        """A request's context from its prompt: the verifier's states of it, `[n, layers*hidden]` (its tokens
+        are not read: a block's context is the states alone)."""
         if not self.kv_cache:
             hidden = self.model.config.transformer_layer_config.hidden_size
             ctx = DraftContext([], [], torch.empty(0, hidden, dtype=self.dtype, device=self.device))
@@ -114,7 +114,7 @@ class Drafter:
             empty = lambda: torch.empty(shape, dtype=self.dtype, device=self.device)  # noqa: E731
             n = len(self.model.layers)
             ctx = DraftContext([empty() for _ in range(n)], [empty() for _ in range(n)])
-        self.extend(ctx, states)
+        self.extend(ctx, tokens, states)
         return ctx
 
     def _hidden(self, states: torch.Tensor) -> torch.Tensor:
@@ -122,8 +122,8 @@ class Drafter:
         return m.hidden_norm(m.fc(states.to(self.device, self.dtype)))
 
     @torch.no_grad()
-    def extend(self, ctx: DraftContext, states: torch.Tensor) -> None:
-        """Append the verifier's states of newly verified tokens: their keys and values, once, in every layer."""
+    def extend(self, ctx: DraftContext, tokens, states: torch.Tensor) -> None:
+        """Append the verifier's states of newly verified `tokens`: their keys and values, once, in every layer."""
         from speculators.models.dflash.model_definitions import apply_rotary_pos_emb
 
         h = self._hidden(states)

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from dspark.decode.drafter import DraftContext, Drafter, DraftSample
+from dspark.decode.config import DraftSample, Rejection
+from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.verifier import Verifier
-
-Rejection = Literal["block", "standard"]
 
 
 @dataclass
@@ -60,15 +58,26 @@ class Prefill:
     draft_s: float = 0.0             # computing it
 
 
-def prefill(verifier: Verifier, drafter: Drafter | None, prompt: list[int], banned: set[int] = frozenset()) -> Prefill:
-    """The prompt's forward (last logits only) and, with a drafter, its context. `banned`: see Verifier.reset."""
+def prefill_each(verifier: Verifier, drafters: list, prompt: list[int], banned: set[int] = frozenset()) -> list[Prefill]:
+    """The prompt's forward (last logits only), once, and each drafter's context of it (None: the verifier alone).
+
+    The prefills share the verifier's cache, each decode cutting it back to the prompt. `banned`: see Verifier.reset.
+    """
     start = time.perf_counter()
     verifier.reset(banned)
     logits, states = verifier.forward(prompt, last_only=True)
-    t = time.perf_counter()
-    context = None if drafter is None else drafter.context(states)
-    return Prefill(verifier.length, logits[-1], verifier.cache, verifier.banned, t - start, context,
-                   time.perf_counter() - t)
+    forward_s, out = time.perf_counter() - start, []
+    for drafter in drafters:
+        t = time.perf_counter()
+        context = None if drafter is None else drafter.context(prompt, states)
+        out.append(Prefill(verifier.length, logits[-1], verifier.cache, verifier.banned, forward_s, context,
+                           time.perf_counter() - t))
+    return out
+
+
+def prefill(verifier: Verifier, drafter: Drafter | None, prompt: list[int], banned: set[int] = frozenset()) -> Prefill:
+    """The prompt's forward (last logits only) and, with a drafter, its context."""
+    return prefill_each(verifier, [drafter], prompt, banned)[0]
 
 
 def _start(verifier: Verifier, drafter, prompt: list[int], banned: set[int], pre: Prefill | None) -> Prefill:
@@ -183,7 +192,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         a, nxt = accept(logits, drafts.to(logits.device), probs, temperature, method, gen)
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
         t2 = time.perf_counter()
-        drafter.extend(ctx, states[: 1 + a])
+        drafter.extend(ctx, [anchor, *drafts[:a].tolist()], states[: 1 + a])
         step = [*drafts[:a].tolist(), nxt]
         trace.tokens += step
         done = not eos.isdisjoint(step)  # a stop token among the accepted drafts ends the request too

@@ -5,6 +5,9 @@ Counts follow vLLM's spec-decode counters: a *draft* is one verifier step; posit
 accepted in a step when at least k drafts were; the per-position rate is accepted / drafts
 (vLLM's `num_accepted_tokens_per_pos / num_drafts`), the conditional rate divides by the
 steps that reached position k; the mean acceptance length counts the verifier's own token too.
+A step without drafts (prompt lookup finding no match, a confidence cut at 0) is not a draft
+to vLLM: `drafted_steps` and `mean_acceptance_length_drafted` count as vLLM does, while
+`drafts` and `mean_acceptance_length` count every verifier step, the tokens a forward yields.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def summarize(traces: list[Trace], n_spec: int) -> dict:
         "requests": len(traces), "drafts": steps, "draft_tokens": int(verified.sum()),
         "accepted_tokens": int(accepted.sum()), "tokens": tokens,
         "mean_acceptance_length": 1 + float(accepted.sum()) / max(steps, 1),
+        "drafted_steps": int((verified > 0).sum()),
+        "mean_acceptance_length_drafted": 1 + float(accepted.sum()) / max(int((verified > 0).sum()), 1),
         "positions": [{"position": k + 1, "drafted": drafted[k], "accepted": at[k],
                        "rate": at[k] / max(steps, 1), "conditional": at[k] / max(reached[k], 1)}
                       for k in range(n_spec)],

@@ -3,53 +3,13 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from dspark.config import check_finite
-from dspark.decode.drafter import DraftSample, Layout
-from dspark.decode.loop import Rejection
-from dspark.decode.prompts import parse_spec
+from dspark.decode.config import DecodeConfig
 from dspark.errors import InputError
-
-
-@dataclass
-class DecodeConfig:
-    checkpoint: str
-    prompts: list[str] = field(default_factory=list)  # "name=path" or "path"; default: the run's prepared data
-    verifier: str | None = None
-    max_prompts: int | None = 20
-    max_new_tokens: int = 64
-    temperature: float = 0.0
-    draft_sample: DraftSample = "probabilistic"
-    rejection: Rejection = "block"
-    layout: Layout = "dspark"
-    num_speculative_tokens: int | None = None
-    confidence_threshold: float | None = 0.5
-    dtype: str = "float32"
-    seed: int = 0
-    ignore_eos: bool = False
-
-    def validate(self) -> DecodeConfig:
-        check_finite("--temperature", self.temperature, 0.0)
-        check_finite("--confidence-threshold", self.confidence_threshold, 0.5)
-        if self.temperature < 0:
-            raise InputError(f"--temperature {self.temperature} is negative", "pass 0 (greedy) or a positive value")
-        if self.max_new_tokens < 1:
-            raise InputError(f"--max-new-tokens {self.max_new_tokens} is below 1", "pass at least 1")
-        if self.confidence_threshold is not None and not 0 < self.confidence_threshold <= 1:
-            raise InputError(f"--confidence-threshold {self.confidence_threshold} is not in (0, 1]",
-                             "pass a survival probability such as 0.5")
-        names = [parse_spec(spec)[0] for spec in self.prompts]
-        if len(set(names)) < len(names):
-            twice = sorted({n for n in names if names.count(n) > 1})
-            raise InputError(f"two --prompts sets are named {', '.join(twice)}", "name each one: --prompts NAME=PATH")
-        if self.num_speculative_tokens is not None and self.layout == "dspark":
-            raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
-                             "drop it: the dspark layout drafts what the checkpoint was trained to draft")
-        return self
 
 
 def _sampling(cfg: DecodeConfig) -> str:

@@ -17,6 +17,10 @@ from dspark.tracking.config import TrackingConfig
 RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
                   "on_damaged", "keep_in_memory_gib", "tracking"}
 
+# Settings of the Markov and confidence heads, which only a dspark drafter has.
+DSPARK_ONLY = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+               "confidence_head_alpha"}
+
 
 @dataclass
 class TrainConfig:
@@ -43,18 +47,21 @@ class TrainConfig:
     checkpoint_freq: float = setting(1.0, "Fraction of an epoch.", gt=0)
     total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
     train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
-    speculator_type: Literal["dspark"] = setting("dspark")
+    speculator_type: Literal["dspark", "dflash"] = setting(
+        "dspark", "The drafter kind: dspark (DFlash + Markov bias + confidence heads) or dflash (speculators' "
+                  "DFlashDraftModel, no Markov or confidence head); both from the same store.")
     block_size: int = setting(8, "Tokens per block: slots the drafter fills (drafts: block_size with "
                                  "--sample-from-anchor, block_size - 1 without).", ge=1)
-    sample_from_anchor: bool = setting(
-        True, "Slot k of a block anchored at p predicts token p+k+1 (DSpark's layout, block_size drafts; "
+    sample_from_anchor: bool | None = setting(
+        None, "Slot k of a block anchored at p predicts token p+k+1 (DSpark's layout, block_size drafts; "
               "served by vLLM's `method: dspark`). --no-sample-from-anchor: slot 0 is the anchor, untrained, and "
-              "slot k predicts p+k (DFlash's layout, block_size - 1 drafts; what vLLM's V1 `method: dflash` serves).")
+              "slot k predicts p+k (DFlash's layout, block_size - 1 drafts; what vLLM's V1 `method: dflash` serves). "
+              "Default: the kind's own (on for dspark, off for dflash).")
     max_anchors: int = setting(512, "Blocks sampled per batch.", ge=1)
     dflash_decay_gamma: float = setting(4.0, "Loss decay over block positions.", gt=0)
-    markov_rank: int = setting(256, "0 disables the Markov head.", ge=0)
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = setting("vanilla")
-    enable_confidence_head: bool = setting(True)
+    markov_rank: int = setting(256, "dspark only: 0 disables the Markov head.", ge=0)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = setting("vanilla", "dspark only.")
+    enable_confidence_head: bool = setting(True, "dspark only.")
     confidence_head_with_markov: bool = setting(True)
     confidence_head_alpha: float = setting(1.0, ge=0)
     loss_fn: str = setting('{"ce": 0.1, "tv": 0.9}', "A loss name or a JSON map of loss names to weights.")
@@ -84,6 +91,10 @@ class TrainConfig:
     live: LiveConfig = setting(factory=LiveConfig, prefixed=False)  # --from mooncake; the seed's flag names
     tracking: TrackingConfig = setting(factory=TrackingConfig, prefixed=False)  # --logger, as speculators names it
 
+    def __post_init__(self):
+        if self.sample_from_anchor is None:  # resolved at once: a run's record holds the layout it trained
+            self.sample_from_anchor = self.speculator_type == "dspark"
+
     def validate(self) -> TrainConfig:
         check_settings(self)
         self.tracking.trackers()
@@ -102,7 +113,8 @@ class TrainConfig:
         if not self.scheduler_warmup_ratio < 1:
             raise InputError(f"--scheduler-warmup-ratio {self.scheduler_warmup_ratio} leaves no steps after warm-up",
                              "use a fraction below 1, e.g. 0.03")
-        if self.confidence_head_with_markov and self.enable_confidence_head and self.markov_rank <= 0:
+        if self.speculator_type == "dspark" and self.confidence_head_with_markov and self.enable_confidence_head \
+                and self.markov_rank <= 0:
             raise InputError("--confidence-head-with-markov needs a Markov head, but --markov-rank is 0",
                              "add --no-confidence-head-with-markov, or set --markov-rank > 0")
         from speculators.losses.utils import resolve_loss_config

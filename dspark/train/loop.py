@@ -157,6 +157,7 @@ class Trainer:
         self.opts = build_optimizers(self.model, cfg)
         self.scheds = build_schedulers(self.opts, cfg, self.total_steps)
         self.state = {"epoch": 0, "batch": 0, "step": 0, "best_val_loss": math.inf}
+        self.train_s = 0.0  # wall-clock seconds trained, over every resume: the budget baselines compare at
         # Metric sums since the last log point; checkpointed, so a resume between log points
         # logs the same window an uninterrupted run does.
         self.window: dict[str, float] = {}
@@ -236,6 +237,7 @@ class Trainer:
         self.window = dict(st.get("windows", [{}] * self.dist.world)[self.dist.rank])
         self.data.skipped = st.get("skipped", [{}] * self.dist.world)[self.dist.rank]
         self.state = st["state"]
+        self.train_s = st.get("train_s", 0.0)  # 0: a checkpoint from before it was kept
         if self.dist.main:  # always said: a resume is never silent
             for note in notes:
                 print(note, file=sys.stderr)
@@ -312,7 +314,7 @@ class Trainer:
                            "metrics": val})
             saved = self.run.save(self.state["step"], self.model, {
                 "state": dict(self.state), "rng": [r for r, _, _ in ranks], "windows": [w for _, w, _ in ranks],
-                "skipped": [s for _, _, s in ranks],
+                "skipped": [s for _, _, s in ranks], "train_s": self.elapsed(),
                 "optimizers": [o.state_dict() for o in self.opts],
                 "schedulers": [s.state_dict() for s in self.scheds]}, best)
             self.tracking.artifact(saved)
@@ -320,6 +322,10 @@ class Trainer:
         self.saved_step = self.state["step"]
         if self.dist.world > 1:
             torch.distributed.barrier()
+
+    def elapsed(self) -> float:
+        """Wall-clock seconds trained: this fit's so far, plus those of the runs it resumed."""
+        return self._train_s_before + time.perf_counter() - self._fit_start
 
     # --- the loop --------------------------------------------------------------
     def fit(self) -> dict:
@@ -333,6 +339,7 @@ class Trainer:
         from tqdm import tqdm
 
         cfg, st = self.cfg, self.state
+        self._fit_start, self._train_s_before = time.perf_counter(), self.train_s
         bar = tqdm(total=self.total_steps, initial=st["step"], desc="train", unit="step", disable=not self.progress)
         stop_at = cfg.max_steps if cfg.max_steps is not None else self.total_steps
         if st["step"] < stop_at:
@@ -365,7 +372,8 @@ class Trainer:
                     wait = loader.wait_seconds
                     if self.dist.main:  # timing and live counters are recorded, never compared by replay
                         record = {"step": st["step"], "epoch": st["epoch"], "split": "train", "metrics": metrics,
-                                  "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9)}}
+                                  "timing": {"data_wait_fraction": wait / max(wait + compute, 1e-9),
+                                             "train_s": self.elapsed()}}
                         if self.source.stats:
                             record["live"] = self.source.stats
                         if self.data.damaged:
@@ -398,6 +406,7 @@ class Trainer:
             print(f"warning: {report}", file=sys.stderr)
         latest, best = self.run.checkpoint("latest"), st["best_val_loss"]
         return {"run": str(self.run.root), "steps": st["step"], "epochs_done": st["epoch"],
+                "train_s": self.elapsed(),
                 "best_val_loss": best if math.isfinite(best) else None,  # null: no validation yet
                 "latest": str(latest) if latest else None,
                 **({"live": self.source.stats} if self.source.stats else {}),

@@ -1,4 +1,4 @@
-"""Build speculators' DSparkDraftModel for our loop, and its optimizer and schedule."""
+"""Build the drafter of the run's kind (speculators' DSparkDraftModel or DFlashDraftModel), its optimizer and schedule."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import math
 import torch
 
 from dspark.errors import InputError
+from dspark.kinds import KINDS
 from dspark.prepare import PreparedData, load_tokenizer
 from dspark.train.config import TrainConfig
 from dspark.train.muon import Muon, ns_dtype_for
@@ -51,7 +52,6 @@ def broadcast_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
 
 
 def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
-    from speculators.models.dspark import DSparkDraftModel
     from speculators.models.utils import get_verifier_config
     from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
 
@@ -70,14 +70,16 @@ def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
     if mask_token_id is None:
         raise InputError(f"the tokenizer of {verifier} has no mask token", "pass --mask-token-id")
     t2d, d2t, draft_vocab = vocab_mappings(cfg, prepared, vcfg.vocab_size)
-    model = DSparkDraftModel.from_training_args(
+    heads = dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+                 enable_confidence_head=cfg.enable_confidence_head,
+                 confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
+                 ) if cfg.speculator_type == "dspark" else {}
+    model = KINDS[cfg.speculator_type].model_class.from_training_args(
         verifier_config=layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
         target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, block_size=cfg.block_size,
         sample_from_anchor=cfg.sample_from_anchor,  # False: DFlash's layout, what vLLM's `method: dflash` serves
-        mask_token_id=mask_token_id, draft_attn_impl=attn_impl(device), markov_rank=cfg.markov_rank,
-        markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
-        confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
-        trust_remote_code=cfg.trust_remote_code)
+        mask_token_id=mask_token_id, draft_attn_impl=attn_impl(device), trust_remote_code=cfg.trust_remote_code,
+        **heads)
     from torch.nn.attention.flex_attention import create_mask
 
     if model._create_mask_fn is create_mask:  # sdpa (CPU); flex attention builds a block mask instead

@@ -1,0 +1,231 @@
+"""`dspark compare`: drafters of every kind, and prompt lookup, side by side in one decode loop.
+
+Same verifier, same prompts, same seeds: each prompt's forward is done once, the verifier alone
+decodes it once (the speedup's baseline), then every drafter decodes it from that forward's
+cache. The verifier captures the union of the drafters' target layers; each drafter reads its
+own. Per prompt set (and per sub-domain: MT-bench category, LongBench dataset and length) one
+row per drafter: per-position acceptance, mean acceptance length, drafted tokens/s, speedup over
+the verifier alone, training steps and wall time, drafter parameters. A step without drafts
+(prompt lookup finding no match) yields one token: the table's mean acceptance length counts
+every verifier step, so rows compare as tokens per verifier forward; the drafted steps and
+vLLM's per-draft mean (steps with drafts only) are beside it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dspark.decode.config import CompareConfig
+from dspark.errors import InputError
+
+
+@dataclass
+class Row:
+    """One drafter of the comparison and what is known of how it was made."""
+
+    name: str
+    kind: str            # dspark, dflash, ngram
+    drafter: object
+    folder: str | None = None
+    params: int = 0      # the drafter's own weights (the verifier's borrowed ones are not in its file)
+    train_steps: int | None = None
+    train_s: float | None = None
+
+
+class LayerSelect:
+    """A drafter reading its own target layers out of the states the verifier captures for all of them."""
+
+    def __init__(self, drafter, select: list[int], captured: int):
+        self.drafter, self.select, self.captured = drafter, select, captured
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def _states(self, states: torch.Tensor) -> torch.Tensor:
+        n = len(states)
+        return states.view(n, self.captured, -1)[:, self.select].reshape(n, -1)
+
+    def context(self, tokens, states):
+        return self.drafter.context(tokens, self._states(states))
+
+    def extend(self, ctx, tokens, states) -> None:
+        self.drafter.extend(ctx, tokens, self._states(states))
+
+
+def training_record(ckpt: Path) -> tuple[int | None, float | None]:
+    """(steps, wall-clock seconds) the checkpoint was trained for, from its run's metrics log (None: unknown)."""
+    from dspark.train.checkpoint import load_trainer_state
+
+    if not (ckpt / "trainer_state.pt").exists():  # an export: its run is elsewhere
+        return None, None
+    st = load_trainer_state(ckpt)
+    return int(st["state"]["step"]), st.get("train_s")
+
+
+def load_rows(cfg: CompareConfig, vocab_size: int | None = None) -> tuple[list[Row], str]:
+    """The drafters (loaded) and the verifier folder they share."""
+    from dspark.decode.drafter import Drafter
+    from dspark.evaluate import load_checkpoint
+    from dspark.kinds import kind_of
+    from dspark.model_card import weight_count
+    from dspark.train.checkpoint import read_config, require_checkpoint
+
+    rows, verifier = [], cfg.verifier
+    for spec in cfg.drafters:
+        name, folder = spec.split("=", 1)
+        ckpt = require_checkpoint(folder)
+        config = read_config(ckpt)
+        kind = kind_of(config, f"{ckpt}/config.json")
+        named = config["speculators_config"]["verifier"]["name_or_path"]
+        verifier = verifier or named
+        model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))
+        steps, seconds = training_record(ckpt)
+        rows.append(Row(name, kind.name, Drafter(model), folder, weight_count(ckpt / "model.safetensors") or 0,
+                        steps, seconds))
+    if verifier is None or not (Path(verifier) / "config.json").exists():
+        raise InputError(f"no local verifier folder to decode with (the drafters name {verifier!r})",
+                         "pass --verifier FOLDER")
+    return rows, verifier
+
+
+def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
+    from tqdm import tqdm
+
+    from dspark.decode.loop import autoregressive, prefill_each, speculative
+    from dspark.decode.ngram import NgramDrafter
+    from dspark.decode.prompts import context_bucket, load_prompt_set
+    from dspark.decode.report import by_subdomain, summarize
+    from dspark.decode.verifier import Verifier
+    from dspark.evaluate import write_report
+    from dspark.prepare import load_tokenizer
+
+    cfg.validate()
+    rows, verifier_path = load_rows(cfg)
+    layers = sorted({i for r in rows for i in r.drafter.model.target_layer_ids})
+    verifier = Verifier(verifier_path, layers, cfg.dtype)
+    for r in rows:
+        r.drafter = LayerSelect(r.drafter, [layers.index(i) for i in r.drafter.model.target_layer_ids], len(layers))
+    if cfg.ngram:
+        rows.append(Row("ngram", "ngram", NgramDrafter(verifier.model.config.vocab_size, cfg.ngram_tokens,
+                                                       cfg.lookup.prompt_lookup_min, cfg.lookup.prompt_lookup_max,
+                                                       verifier.max_length)))
+    tokenizer = load_tokenizer(verifier_path)
+    eos = {tokenizer.eos_token_id} - {None}
+    banned = eos if cfg.ignore_eos else set()
+    kw = dict(temperature=cfg.temperature, eos=eos, ignore_eos=cfg.ignore_eos)
+    room = max(r.drafter.slots for r in rows)
+    sets = []
+    for spec in cfg.prompts:
+        ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + room)
+        traces: dict[str, list] = defaultdict(list)
+        keys = []  # (sub-domain, context bucket) per prompt
+        for i, prompt in enumerate(tqdm(ps.prompts, desc=f"compare {ps.name}", unit="prompt", disable=not progress)):
+            ids = list(prompt.ids)
+            seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
+            pres = prefill_each(verifier, [None, *(r.drafter for r in rows)], ids, banned)
+            traces["verifier"].append(autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(),
+                                                     prefilled=pres[0], **kw))
+            for r, pre in zip(rows, pres[1:]):
+                traces[r.name].append(speculative(verifier, r.drafter, ids, cfg.max_new_tokens, gen=seeded(),
+                                                  prefilled=pre, method=cfg.rejection, draft_sample=cfg.draft_sample,
+                                                  **kw))
+            keys.append((prompt.subdomain, context_bucket(prompt.length) if ps.longbench else None))
+        if not ps.prompts:
+            continue
+        alone = traces["verifier"]
+        base = sum(len(t.tokens) for t in alone) / sum(t.seconds for t in alone)
+        entry = {**ps.summary(), "verifier_only_tokens_per_s": base, "drafters": {}}
+        for r in rows:
+            n = r.drafter.num_speculative_tokens
+            s = summarize(traces[r.name], n)
+            groups = [(f"{sub or '-'}" + (f"/{bucket}" if bucket else ""), t) for (sub, bucket), t in
+                      zip(keys, traces[r.name])]
+            entry["drafters"][r.name] = {
+                **s, "speedup": s["tokens_per_s"] / base,
+                "by_subdomain": by_subdomain(groups, n) if any(g != "-" for g, _ in groups) else {},
+                "outputs_equal_verifier_only": sum(a.tokens == b.tokens for a, b in zip(traces[r.name], alone))}
+        sets.append(entry)
+    if not sets:
+        raise InputError("no prompt could be decoded: every one is beyond the verifier's maximum length",
+                         "pass shorter prompts or a lower --max-new-tokens")
+    result = {"verifier": verifier_path, "config": asdict(cfg), "captured_layers": layers,
+              "drafters": [{"name": r.name, "kind": r.kind, "folder": r.folder, "params": r.params,
+                            "num_speculative_tokens": r.drafter.num_speculative_tokens,
+                            "train_steps": r.train_steps, "train_s": r.train_s} for r in rows],
+              "datasets": sets}
+    out = Path(cfg.output)
+    write_report(result, out, "compare", markdown, plot, "drafters side by side: mean acceptance length per set")
+    return result, out
+
+
+# --- the report --------------------------------------------------------------------------------
+
+def _cell(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(result: dict) -> str:
+    c = result["config"]
+    sampling = "greedy" if c["temperature"] == 0 else f"temperature {c['temperature']}"
+    n = max(d["num_speculative_tokens"] for d in result["drafters"])
+    lines = [f"Drafters side by side on `{Path(result['verifier']).name}`: the same prompts and seeds in one decode "
+             f"loop, {sampling}, up to {c['max_new_tokens']} new tokens per prompt.", "",
+             "| drafter | kind | parameters | training steps | training time | drafts/step |", "|---|---|---:|---:|---:|---:|"]
+    for d in result["drafters"]:
+        took = "-" if d["train_s"] is None else f"{d['train_s'] / 60:.1f} min"
+        lines.append(f"| {d['name']} | {d['kind']} | {d['params'] / 1e6:.2f} M | {_cell(d['train_steps'], 'd')} | "
+                     f"{took} | {d['num_speculative_tokens']} |")
+    pos = " | ".join(str(k) for k in range(1, n + 1))
+    for ds in result["datasets"]:
+        lines += ["", f"**{ds['name']}** ({ds['prompts']} prompts; the verifier alone: "
+                      f"{ds['verifier_only_tokens_per_s']:.1f} tok/s)", "",
+                  f"| drafter | {pos} | mean length | drafted steps | per drafted step | drafted tok/s | tok/s | "
+                  "speedup |", "|---|" + "---:|" * n + "---:|---:|---:|---:|---:|---:|"]
+        for name, s in ds["drafters"].items():
+            rates = [f"{p['rate']:.3f}" for p in s["positions"]] + [""] * (n - len(s["positions"]))
+            lines.append(f"| {name} | {' | '.join(rates)} | {s['mean_acceptance_length']:.2f} | "
+                         f"{s['drafted_steps']} of {s['drafts']} | {s['mean_acceptance_length_drafted']:.2f} | "
+                         f"{s['drafted_tokens_per_s']:.0f} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x |")
+    subs = [ds for ds in result["datasets"] if any(s["by_subdomain"] for s in ds["drafters"].values())]
+    if subs:
+        names = list(result["datasets"][0]["drafters"])
+        lines += ["", "Mean acceptance length per sub-domain (MT-bench category; LongBench dataset/length):", "",
+                  f"| set | sub-domain | {' | '.join(names)} |", "|---|---|" + "---:|" * len(names)]
+        for ds in subs:
+            groups = list(next(iter(ds["drafters"].values()))["by_subdomain"])
+            for g in groups:
+                cells = [f"{ds['drafters'][n]['by_subdomain'][g]['mean_acceptance_length']:.2f}" for n in names]
+                lines.append(f"| {ds['name']} | {g} | {' | '.join(cells)} |")
+    lines += ["", "Mean length counts every verifier step (tokens per forward); a step without drafts (prompt lookup "
+              "found no match) yields the verifier's token alone. *Per drafted step* is vLLM's mean acceptance "
+              "length, over the steps that carried drafts."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = result["datasets"]
+    names = [d["name"] for d in result["drafters"]]
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(sets) * len(names) / 2), 4))
+    x, width = np.arange(len(sets)), 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = [ds["drafters"][name]["mean_acceptance_length"] for ds in sets]
+        bars = ax.bar(x - 0.4 + width * (i + 0.5), vals, width, label=name, color=f"C{i}")
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")  # the verifier alone: one token per forward
+    ax.set_xticks(x, [ds["name"] for ds in sets])
+    ax.set(ylabel="mean acceptance length (tokens per verifier step)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    from dspark.evaluate import save_figure
+
+    save_figure(fig, path, title)
