@@ -310,10 +310,14 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     store = store or cfg.store  # a run records the store it trained from
     if not store:
         raise InputError(f"{ckpt} does not record its store", "pass --store")
+    model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
+    if model.config.speculators_model_type == "eagle3":
+        raise InputError(f"{ckpt} is an EAGLE-3 drafter: teacher-forced eval scores the blocks of DFlash-family "
+                         "drafters", "measure it by decoding: `dspark eval --decode` or `dspark compare`")
     source = ZarrStore(store)
     data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
-                     cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None)
-    model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
+                     cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None,
+                     layers=model.target_layer_ids)  # the drafter's layers, of the store's
     batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
     result = evaluate(model, data, batches, dev, cfg, max_anchors, anchor_seed)
     result.update(checkpoint=str(ckpt), store=str(store), split=split)

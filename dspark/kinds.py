@@ -39,6 +39,9 @@ KINDS = {k.name: k for k in (
          "a DFlash block-diffusion drafter with a low-rank Markov logit-bias head and a confidence head", "dspark"),
     Kind("dflash", "DFlash", "speculators.models.dflash:DFlashDraftModel", "speculators.models.dflash:DFlashSpeculatorConfig",
          "a DFlash block-diffusion drafter", "dflash"),
+    Kind("eagle3", "EAGLE-3", "speculators.models.eagle3:Eagle3DraftModel",
+         "speculators.models.eagle3:Eagle3SpeculatorConfig",
+         "an EAGLE-3 autoregressive drafter over 3 fused verifier layers", "eagle3"),
 )}
 
 

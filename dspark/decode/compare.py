@@ -69,7 +69,7 @@ def training_record(ckpt: Path) -> tuple[int | None, float | None]:
 
 def load_rows(cfg: CompareConfig, vocab_size: int | None = None) -> tuple[list[Row], str]:
     """The drafters (loaded) and the verifier folder they share."""
-    from dspark.decode.drafter import Drafter
+    from dspark.decode.drafter import drafter_for
     from dspark.evaluate import load_checkpoint
     from dspark.kinds import kind_of
     from dspark.model_card import weight_count
@@ -85,7 +85,7 @@ def load_rows(cfg: CompareConfig, vocab_size: int | None = None) -> tuple[list[R
         verifier = verifier or named
         model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))
         steps, seconds = training_record(ckpt)
-        rows.append(Row(name, kind.name, Drafter(model), folder, weight_count(ckpt / "model.safetensors") or 0,
+        rows.append(Row(name, kind.name, drafter_for(model), folder, weight_count(ckpt / "model.safetensors") or 0,
                         steps, seconds))
     if verifier is None or not (Path(verifier) / "config.json").exists():
         raise InputError(f"no local verifier folder to decode with (the drafters name {verifier!r})",

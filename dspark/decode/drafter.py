@@ -39,6 +39,30 @@ class Proposal:
     confidence: torch.Tensor | None   # [N] the confidence head's acceptance probability per drafted token
 
 
+def to_verifier(model, draft_ids: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary ids as verifier ids: speculators' d2t holds offsets (vLLM adds them the same way)."""
+    d2t = model.d2t
+    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
+
+
+def sample_draft(model, row: torch.Tensor, temperature: float, sample: DraftSample,
+                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft from a row of draft-vocabulary logits: (its verifier id, the distribution it was drawn from
+    in verifier ids, for rejection sampling; None at temperature 0, where drafts are argmaxes)."""
+    if temperature > 0 and sample == "probabilistic":
+        p = torch.softmax(row / temperature, -1)
+        draft = torch.multinomial(p, 1, generator=generator)[0]
+    else:
+        draft = row.argmax()
+        p = torch.nn.functional.one_hot(draft, len(row)).float()
+    if temperature == 0:
+        return to_verifier(model, draft), None
+    if model.d2t is not None:  # scattered into the verifier's vocabulary
+        p = torch.zeros(model.verifier_vocab_size, dtype=p.dtype, device=p.device).index_add_(
+            0, to_verifier(model, torch.arange(len(p), device=p.device)), p)
+    return to_verifier(model, draft), p
+
+
 class DraftContext:
     """One request's context in the drafter: positions 0..length-1, the verified tokens.
 
@@ -144,10 +168,6 @@ class Drafter:
             ctx.values[i][:, :, start:start + n] = attn.v_proj(h).view(1, n, -1, attn.head_dim).transpose(1, 2)
         ctx.length = start + n
 
-    def _to_verifier(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        d2t = self.model.d2t
-        return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
-
     @torch.no_grad()
     def _block_hidden(self, ctx: DraftContext, anchor: int) -> torch.Tensor:
         m, p = self.model, ctx.length
@@ -212,15 +232,9 @@ class Drafter:
                 if m.config.confidence_head_with_markov:
                     feats = torch.cat([feats, self.markov.prev_embeddings(prev[k:k + 1])[0].to(feats.dtype)])
                 conf.append(torch.sigmoid(self.confidence(feats[None]).float())[0])
-            if temperature > 0 and sample == "probabilistic":
-                p = torch.softmax(row / temperature, -1)
-                draft = torch.multinomial(p, 1, generator=generator)[0]
-            else:
-                draft = row.argmax()
-                p = torch.nn.functional.one_hot(draft, len(row)).float()
-            if temperature > 0:
-                probs.append(self._scatter(p))
-            token = self._to_verifier(draft)
+            token, p = sample_draft(m, row, temperature, sample, generator)
+            if p is not None:
+                probs.append(p)
             tokens.append(token)
             if k + 1 < self.slots:  # slot k drafted the token right before what slot k+1 drafts
                 prev[k + 1] = token
@@ -233,11 +247,11 @@ class Drafter:
         # gated and rnn read the slot's hidden state, rnn every earlier slot too: the block's bias
         return self.markov.block_bias(prev_token_ids=prev[None], hidden_states=hidden[None])[0, k].float()
 
-    def _scatter(self, p: torch.Tensor) -> torch.Tensor:
-        """A draft-vocabulary distribution in verifier ids (rejection sampling compares it with the verifier's)."""
-        d2t = self.model.d2t
-        if d2t is None:
-            return p
-        out = torch.zeros(self.model.verifier_vocab_size, dtype=p.dtype, device=p.device)
-        ids = torch.arange(len(p), device=p.device)
-        return out.index_add_(0, self._to_verifier(ids), p)
+
+def drafter_for(model, layout: Layout = "dspark", num_speculative_tokens: int | None = None):
+    """The decode loop's drafter for a loaded checkpoint of any kind (`layout`: the DFlash family's only)."""
+    if model.config.speculators_model_type == "eagle3":
+        from dspark.decode.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(model, num_speculative_tokens)
+    return Drafter(model, layout, num_speculative_tokens)

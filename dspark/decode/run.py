@@ -68,7 +68,7 @@ def _decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_con
 
 def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
                progress: bool = True) -> tuple[dict, Path]:
-    from dspark.decode.drafter import Drafter
+    from dspark.decode.drafter import drafter_for
     from dspark.decode.loop import autoregressive, speculative
     from dspark.decode.prompts import LONG_BUCKETS, load_prompt_set
     from dspark.decode.report import long_context_rows, markdown, plot, tracked
@@ -90,7 +90,7 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     device = torch.device("cpu")
     model = load_checkpoint(ckpt, verifier_path, device).to(getattr(torch, cfg.dtype))
     verifier_path = model.config.speculators_config.verifier.name_or_path
-    drafter = Drafter(model, cfg.layout, cfg.num_speculative_tokens)
+    drafter = drafter_for(model, cfg.layout, cfg.num_speculative_tokens)
     verifier = Verifier(verifier_path, model.target_layer_ids, cfg.dtype, device)
     tokenizer = load_tokenizer(verifier_path)
     eos = {tokenizer.eos_token_id} - {None}

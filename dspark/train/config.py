@@ -17,9 +17,20 @@ from dspark.tracking.config import TrackingConfig
 RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
                   "on_damaged", "keep_in_memory_gib", "tracking"}
 
-# Settings of the Markov and confidence heads, which only a dspark drafter has.
-DSPARK_ONLY = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-               "confidence_head_alpha"}
+# Settings only some drafter kinds read (the others ignore them, and a model card leaves them out).
+KIND_ONLY = {
+    "dspark": {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+               "confidence_head_alpha"},
+    "eagle3": {"ttt_steps", "ttt_step_loss_decay"},
+}
+BLOCK_ONLY = {"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id"}  # DFlash family
+DEFAULT_LOSS = {"eagle3": "kl_div"}  # speculators' EAGLE-3 default; the DFlash family's is TrainConfig's
+
+
+def unread_settings(kind: str) -> set[str]:
+    """The settings a drafter of `kind` does not read."""
+    other = set().union(*(v for k, v in KIND_ONLY.items() if k != kind))
+    return other | (BLOCK_ONLY if kind == "eagle3" else set())
 
 
 @dataclass
@@ -47,9 +58,10 @@ class TrainConfig:
     checkpoint_freq: float = setting(1.0, "Fraction of an epoch.", gt=0)
     total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
     train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
-    speculator_type: Literal["dspark", "dflash"] = setting(
-        "dspark", "The drafter kind: dspark (DFlash + Markov bias + confidence heads) or dflash (speculators' "
-                  "DFlashDraftModel, no Markov or confidence head); both from the same store.")
+    speculator_type: Literal["dspark", "dflash", "eagle3"] = setting(
+        "dspark", "The drafter kind: dspark (DFlash + Markov bias + confidence heads), dflash (speculators' "
+                  "DFlashDraftModel, no Markov or confidence head) or eagle3 (speculators' Eagle3DraftModel: "
+                  "autoregressive, exactly 3 target layers, training-time test); all from the same store.")
     block_size: int = setting(8, "Tokens per block: slots the drafter fills (drafts: block_size with "
                                  "--sample-from-anchor, block_size - 1 without).", ge=1)
     sample_from_anchor: bool | None = setting(
@@ -64,7 +76,12 @@ class TrainConfig:
     enable_confidence_head: bool = setting(True, "dspark only.")
     confidence_head_with_markov: bool = setting(True)
     confidence_head_alpha: float = setting(1.0, ge=0)
-    loss_fn: str = setting('{"ce": 0.1, "tv": 0.9}', "A loss name or a JSON map of loss names to weights.")
+    ttt_steps: int = setting(3, "eagle3: training-time test steps, the drafts it learns to chain (its "
+                                "speculative tokens).", ge=1)
+    ttt_step_loss_decay: float = setting(1.0, "eagle3: loss weight decay per training-time test step.", gt=0)
+    loss_fn: str | None = setting(
+        None, 'A loss name or a JSON map of loss names to weights. Default: {"ce": 0.1, "tv": 0.9}; eagle3: kl_div '
+              "(speculators' defaults).")
     optimizer: Literal["muon", "adamw"] = setting("muon", "muon: Muon for hidden 2-D weights, AdamW for the rest.")
     muon_ns_dtype: Literal["auto", "bf16", "fp32"] = setting(
         "auto", "Muon's Newton-Schulz dtype. auto: bf16 where its matmuls are fast (CUDA; CPUs with AVX512-BF16 "
@@ -94,6 +111,8 @@ class TrainConfig:
     def __post_init__(self):
         if self.sample_from_anchor is None:  # resolved at once: a run's record holds the layout it trained
             self.sample_from_anchor = self.speculator_type == "dspark"
+        if self.loss_fn is None:
+            self.loss_fn = DEFAULT_LOSS.get(self.speculator_type, '{"ce": 0.1, "tv": 0.9}')
 
     def validate(self) -> TrainConfig:
         check_settings(self)
@@ -101,6 +120,10 @@ class TrainConfig:
         if self.total_seq_len < 2 * self.block_size:
             raise InputError(f"--total-seq-len {self.total_seq_len} is shorter than two blocks of "
                              f"--block-size {self.block_size}", f"use --total-seq-len >= {2 * self.block_size}")
+        if self.speculator_type == "eagle3" and len(self.target_layer_ids) != 3:
+            raise InputError(f"--speculator-type eagle3 reads 3 target layers, not {len(self.target_layer_ids)} "
+                             f"({self.target_layer_ids})", "pass 3 of the store's layers, e.g. --target-layer-ids "
+                             "2 N/2 N-3 for N verifier layers (vLLM's EAGLE-3 takes exactly 3)")
         if not self.sample_from_anchor and self.block_size < 2:
             raise InputError(f"--no-sample-from-anchor with --block-size {self.block_size} drafts no token "
                              "(slot 0 is the anchor)", "use --block-size >= 2")

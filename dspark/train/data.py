@@ -43,7 +43,9 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 class TrainData:
     def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int,
-                 on_damaged: str = "skip", verifier: str | None = None, keep_bytes: int = 0):
+                 on_damaged: str = "skip", verifier: str | None = None, keep_bytes: int = 0,
+                 layers: list[int] | None = None):
+        """`layers`: the target layers batches hold, some of the store's (default: all of them)."""
         if on_damaged not in ON_DAMAGED:
             raise InputError(f"--on-damaged {on_damaged!r} is not a policy", f"use one of {', '.join(ON_DAMAGED)}")
         m = source.manifest
@@ -63,7 +65,8 @@ class TrainData:
         self.skipped: dict[str, list[int]] = {}  # pass -> ids it trained without (the run records it)
         self.leave_out: dict[str, set[int]] = {}  # pass -> ids a replay leaves out unread (`reproduce`)
         self.total_seq_len, self.seed = total_seq_len, seed
-        self.num_targets = len(m.target_layer_ids)
+        self.num_targets = len(m.target_layer_ids)  # the last layer's states follow the targets'
+        self.layer_index = [m.target_layer_ids.index(i) for i in layers] if layers else list(range(self.num_targets))
         # Samples read so far, when all of them fit keep_bytes (a live source's are never kept: its
         # cache and counters must see every read). A sample is checked when first read, then kept as is.
         size = int(prepared.offsets[-1] - prepared.offsets[0]) * len(m.captured_layer_ids) * m.hidden_size \
@@ -174,7 +177,7 @@ class TrainData:
             pos.append(torch.arange(n))
         h = torch.cat(hidden)  # [S, L+1, H]
         return {
-            "hidden_states": h[:, :L].reshape(1, h.shape[0], -1),
+            "hidden_states": h[:, self.layer_index].reshape(1, h.shape[0], -1),
             "verifier_last_hidden_states": h[:, L].unsqueeze(0),
             "input_ids": torch.cat(ids).unsqueeze(0),
             "loss_mask": torch.cat(masks).unsqueeze(0),

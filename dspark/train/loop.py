@@ -35,7 +35,7 @@ from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rn
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
-from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs
+from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs, model_inputs
 
 
 @dataclass
@@ -93,8 +93,9 @@ def check_store(source, cfg: TrainConfig) -> None:
     problems = []
     if m.hidden_size != vcfg.hidden_size:
         problems.append(f"hidden size: store {m.hidden_size}, verifier {vcfg.hidden_size}")
-    if m.target_layer_ids != list(cfg.target_layer_ids):
-        problems.append(f"layer ids: store {m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)}")
+    if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
+        problems.append(f"layer ids: store {m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} "
+                        "(the store must hold each of them)")
     if m.tokenizer_hash != tokenizer_hash(Path(cfg.verifier_name_or_path)):
         problems.append("tokenizer hash differs from the verifier's")
     if problems:
@@ -147,7 +148,8 @@ class Trainer:
         self.source = open_source(cfg, self.prepared)
         check_store(self.source, cfg)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,
-                              cfg.on_damaged, cfg.verifier_name_or_path, int(cfg.keep_in_memory_gib * 2**30))
+                              cfg.on_damaged, cfg.verifier_name_or_path, int(cfg.keep_in_memory_gib * 2**30),
+                              cfg.target_layer_ids)
         self.model = build_model(cfg, self.prepared, self.device)
         self.loss_kw = loss_kwargs(self.model, cfg, self.device)
         self.epoch_plan = [self._my_batches(self.data.epoch_batches(e)) for e in range(cfg.epochs)]
@@ -252,7 +254,7 @@ class Trainer:
     def step(self, batch: dict) -> dict:
         self.wrapped.train()
         with self._autocast():
-            _, loss, metrics = self.wrapped(**_to_device(batch, self.device), **self.loss_kw)
+            _, loss, metrics = self.wrapped(**_to_device(model_inputs(self.cfg, batch), self.device), **self.loss_kw)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         # Checked before the optimizer moves a weight: one NaN or infinite step makes every weight, and every
@@ -287,7 +289,8 @@ class Trainer:
             for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
                                 self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
                 with self._autocast():
-                    _, _, metrics = self.model(**_to_device(batch, self.device), **self.loss_kw)
+                    _, _, metrics = self.model(**_to_device(model_inputs(self.cfg, batch), self.device),
+                                               **self.loss_kw)
                 accumulate(acc, metrics)
         self.timing["validate_s"].append(time.perf_counter() - start)
         return reduce(all_reduce(acc, self.device))
