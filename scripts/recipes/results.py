@@ -3,7 +3,8 @@
     python scripts/recipes/results.py cache/recipes/smollm2
 
 Reads the reports the pipeline's own commands wrote (holdout and regenerate summaries, prepare
-stats, `dspark eval` eval.json/decode.json of both drafters, bench_extract JSON, step timings)
+stats, `dspark eval` eval.json/decode.json of both drafters, `dspark compare`'s compare.json,
+bench_extract JSON, step timings)
 and sets them against the issue's goals. A figure that is missing (its step has not run yet)
 is reported as missing, never made up.
 """
@@ -73,6 +74,8 @@ def gather(root: Path) -> dict:
     goals.append(_goal(f"vLLM's per-position acceptance within {SERVED_GAP_GOAL * 100:.0f} points of our loop's "
                        "(largest gap)",
                        c1["largest_gap"] if c1 else None, SERVED_GAP_GOAL, "{:.3f}", higher=False))
+    compared = _load(root / "compare" / "compare.json")
+    goals += _baseline_goals(compared)
     goals.append(_goal(f"capture overhead of the vLLM engine <= {OVERHEAD_GOAL:.0%}",
                        bench["vllm"]["overhead"] if bench["vllm"] else None, OVERHEAD_GOAL, "{:+.1%}", higher=False))
     timings = {}
@@ -87,7 +90,26 @@ def gather(root: Path) -> dict:
             "regenerate": _load(root / "data" / "train_regen.jsonl.summary.json"),
             "prepare": {arm: (_load(root / "prepared" / arm / "prepare.json") or {}).get("stats")
                         for arm in ARMS},
-            "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves, "served": served}
+            "decode": decode, "teacher_forced": teacher, "bench_extract": bench, "curves": curves, "served": served,
+            "compare": compared}
+
+
+def _baseline_goals(compared: dict | None) -> list[dict]:
+    """DSpark's decoded mean acceptance length at least each baseline's, per set and sub-domain (same budget)."""
+    if not compared:
+        return [_goal("DSpark's mean acceptance length >= every baseline's on every set (`dspark compare`)",
+                      None, 0, "")]
+    out = []
+    for ds in compared["datasets"]:
+        rows = ds["drafters"]
+        groups = [(ds["name"], {n: s["mean_acceptance_length"] for n, s in rows.items()})]
+        groups += [(f"{ds['name']}/{g}", {n: s["by_subdomain"][g]["mean_acceptance_length"] for n, s in rows.items()})
+                   for g in rows["dspark"]["by_subdomain"]]
+        for where, lengths in groups:
+            best = max((v, n) for n, v in lengths.items() if n != "dspark")
+            out.append(_goal(f"DSpark's mean acceptance length on {where} >= the best baseline's ({best[1]}: "
+                             f"{best[0]:.2f})", lengths["dspark"], best[0], "{:.2f}"))
+    return out
 
 
 def _served(root: Path) -> dict:
@@ -153,7 +175,7 @@ def _row(cells) -> str:
 
 
 def markdown(r: dict) -> str:
-    out = [f"# SmolLM2-135M-Instruct: a DSpark drafter trained by dspark on 2 CPU cores", "",
+    out = ["# SmolLM2-135M-Instruct: a DSpark drafter trained by dspark on 2 CPU cores", "",
            f"Machine: {r['machine']}. Commit {r['commit']}. Greedy decoding, 8 drafts per step, held-out prompts.", "",
            "## Goals", "", "| goal | measured | met |", "|---|---:|---|"]
     for g in r["goals"]:
@@ -219,6 +241,11 @@ def markdown(r: dict) -> str:
                                  f"{x['served']['ttft_ms']['p50']:.0f}", f"{x['served']['itl_ms']['p50']:.0f}"]))
             out.append(_row([f"**{name.rsplit('-c', 1)[0]}**", run["concurrency"], "all sets", "", "", "", "", "",
                              f"**{run['speedup']:.2f}x**", "", ""]))
+    if r["compare"]:
+        from dspark.decode.compare import markdown as compare_markdown
+
+        out += ["", "## Side by side with the baselines (`dspark compare`)", "", "![mean acceptance length per set, "
+                "one bar per drafter](compare/compare.png)", "", compare_markdown(r["compare"]).rstrip()]
     out += ["", "## Extraction speed (same prepared data, warm engines)", "",
             "| engine | bare forward tok/s | extract tok/s | capture overhead |", "|---|---:|---:|---:|"]
     for engine, b in r["bench_extract"].items():

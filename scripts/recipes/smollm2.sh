@@ -7,6 +7,7 @@
 #
 #   assets -> import -> holdout -> regenerate (vLLM) -> prepare -> extract (vLLM) -> train
 #          -> eval (teacher-forced + decoded) -> export (model card)
+#          -> baselines (DFlash, EAGLE-3 drafters) -> compare (them, DSpark and n-gram side by side)
 #          -> serve (vLLM serving a drafter, n-gram and nothing; `dspark bench`) -> bench-extract -> results
 #
 # UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their inputs must exist). Resumable: every step's commands resume on their own, and a finished step is marked in
@@ -141,6 +142,20 @@ evaluate() {
 export_drafter() {  # after eval: the model card embeds its tables
   dspark export "$R/runs/regen/latest" --output "$R/export" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
 }
+baselines() {  # the drafters users would pick instead, same store, same data and steps (smollm2.yaml)
+  local common=(--config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/regen" --data-path "$R/prepared/regen"
+                --verifier-name-or-path "$M" --no-progress)
+  dspark train "${common[@]}" --speculator-type dflash --save-path "$R/runs/dflash"
+  dspark train "${common[@]}" --speculator-type eagle3 --target-layer-ids $EAGLE3_LAYERS --loss-fn kl_div \
+    --save-path "$R/runs/eagle3"
+}
+compare() {  # one table: DSpark, DFlash, EAGLE-3 and prompt lookup, same prompts and seeds, one decode loop
+  dspark compare --drafter dspark="$R/runs/regen/latest" --drafter dflash="$R/runs/dflash/latest" \
+    --drafter eagle3="$R/runs/eagle3/latest" --prompts humaneval="$(HUMANEVAL)" \
+    --prompts mtbench="$R/prompts/mtbench.jsonl" --prompts sharegpt="$R/data/heldout.jsonl" \
+    --prompts longbench="$R/prompts/longbench.jsonl" --max-prompts "$EVAL_PROMPTS" \
+    --max-new-tokens "$EVAL_NEW_TOKENS" --ngram-tokens "$NGRAM_TOKENS" --output "$R/compare" --no-progress
+}
 bench_extract() {  # what capture costs over each engine's bare forward, on the same prepared data
   .venv/bin/python scripts/bench_extract.py --model "$M" --data "$R/prepared/regen" --target-layer-ids $TARGET_LAYERS \
     --repeats 3 --max-samples 100 --json "$R/bench/extract-transformers.json"
@@ -203,6 +218,8 @@ step train train
 step prompts prompts
 step eval evaluate
 step export export_drafter
+step baselines baselines
+step compare compare
 step serve serve
 step bench-extract bench_extract
 step results results
