@@ -30,6 +30,14 @@ def eagle3_run(store, prepared, verifier, tmp_path_factory):
     return c, fit(c)
 
 
+def decodes_like_the_verifier(export_dir, verifier, prepared) -> None:
+    """An exported folder (it names the verifier portably) loads in the decode loop and decodes losslessly."""
+    model = load_checkpoint(export_dir, str(verifier), torch.device("cpu")).float()
+    drafter, v = drafter_for(model), Verifier(verifier, model.target_layer_ids)
+    prompt = prompt_ids(prepared, 1)[0]
+    assert speculative(v, drafter, prompt, 16).tokens == autoregressive(v, prompt, 16).tokens
+
+
 def test_a_dflash_run_trains_speculators_dflash_model_in_dflash_layout(dflash_run):
     c, records = dflash_run
     assert c.sample_from_anchor is False  # the kind's own layout: what vLLM's `method: dflash` serves
@@ -125,7 +133,7 @@ def test_greedy_decoding_with_a_dflash_drafter_is_the_verifiers_own_output(dflas
     assert accepted > 0
 
 
-def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, tmp_path):
+def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, verifier, prepared, tmp_path):
     from dspark.serve_draft import ServeDraftConfig, choose
 
     c, _ = dflash_run
@@ -134,6 +142,7 @@ def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, tmp_
             "--verifier-name", "Org/Tiny")
     config = json.loads((out / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
+    decodes_like_the_verifier(out, verifier, prepared)
     cfg = ServeDraftConfig(verifier="v", drafter=str(out))
     for gpu in (False, True):
         assert choose(cfg, gpu)[:2] == ("dflash", 7)
@@ -191,13 +200,15 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG" and "| ngram |" in proc.stdout
 
 
-def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(eagle3_run, store, tmp_path):
+def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(eagle3_run, store, verifier, prepared,
+                                                                               tmp_path):
     from dspark.serve_draft import ServeDraftConfig, choose
 
     c, _ = eagle3_run
     out = tmp_path / "export"
     run_cli("export", os.path.join(c.save_path, "latest"), "--output", out, "--verifier-name", "Org/Tiny")
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
+    decodes_like_the_verifier(out, verifier, prepared)
     for gpu in (False, True):
         assert choose(ServeDraftConfig(verifier="v", drafter=str(out)), gpu) == ("eagle3", 3, None)
     with pytest.raises(InputError, match="does not serve .*, a eagle3 drafter"):
