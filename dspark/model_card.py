@@ -444,6 +444,7 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
     sc = config.get("speculators_config", {})
     tl = config.get("transformer_layer_config", {}) or {}
     kind = kind_of(config, "the drafter's config")
+    block = kind.name != "eagle3"  # the DFlash family drafts a block of slots
     anchor = config.get("sample_from_anchor", True)
     method = (sc.get("proposal_methods") or [{}])[0]
     rank = config.get("markov_rank", 0)
@@ -464,11 +465,11 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("Verifier", f"`{verifier}`" + (f" ({arch})" if arch else "")),
         ("Algorithm", f"{sc.get('algorithm', kind.name)} (speculators "
                       f"`{(config.get('architectures') or ['?'])[0]}`: {kind.summary})"),
-        *([("Block size", str(config.get("block_size", "?")))] if kind.name != "eagle3" else []),
+        *([("Block size", str(config.get("block_size", "?")))] if block else []),
         ("Speculative tokens", str(method.get("speculative_tokens", "?"))
-         + (" (its training-time test steps; vLLM may draft more)" if kind.name == "eagle3" else "")),
+         + ("" if block else " (its training-time test steps; vLLM may draft more)")),
         *([("sample_from_anchor", "true (the anchor slot predicts the first draft token)" if anchor
-            else "false (the anchor is the bonus token; the mask slots predict)")] if kind.name != "eagle3" else []),
+            else "false (the anchor is the bonus token; the mask slots predict)")] if block else []),
         *([("Markov head", f"rank {rank}, `{config.get('markov_head_type', '?')}`" if rank else "none (rank 0)"),
            ("Confidence head", ("yes" + (", with the Markov head" if config.get("confidence_head_with_markov") else
                                          ", without the Markov head")) if config.get("enable_confidence_head")
@@ -477,7 +478,7 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("Draft decoder layers", decoder),
         ("Hidden size", hidden),
         ("Target layer ids", ", ".join(map(str, layers)) + (f" (of the verifier's {of} layers)" if of else "")),
-        *([("Mask token id", str(config.get("mask_token_id", "?")))] if kind.name != "eagle3" else []),
+        *([("Mask token id", str(config.get("mask_token_id", "?")))] if block else []),
         ("Weights dtype", str(config.get("dtype", "?"))),
         ("speculators version", str(config.get("speculators_version", "?"))),
     ]

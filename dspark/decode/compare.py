@@ -29,7 +29,7 @@ class Row:
     """One drafter of the comparison and what is known of how it was made."""
 
     name: str
-    kind: str            # dspark, dflash, ngram
+    kind: str            # dspark, dflash, eagle3, ngram
     drafter: object
     folder: str | None = None
     params: int = 0      # the drafter's own weights (the verifier's borrowed ones are not in its file)
@@ -58,7 +58,7 @@ class LayerSelect:
 
 
 def training_record(ckpt: Path) -> tuple[int | None, float | None]:
-    """(steps, wall-clock seconds) the checkpoint was trained for, from its run's metrics log (None: unknown)."""
+    """(steps, wall-clock seconds) the checkpoint was trained for, from its trainer state (None: unknown)."""
     from dspark.train.checkpoint import load_trainer_state
 
     if not (ckpt / "trainer_state.pt").exists():  # an export: its run is elsewhere
@@ -67,11 +67,10 @@ def training_record(ckpt: Path) -> tuple[int | None, float | None]:
     return int(st["state"]["step"]), st.get("train_s")
 
 
-def load_rows(cfg: CompareConfig, vocab_size: int | None = None) -> tuple[list[Row], str]:
+def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
     """The drafters (loaded) and the verifier folder they share."""
     from dspark.decode.drafter import drafter_for
     from dspark.evaluate import load_checkpoint
-    from dspark.kinds import kind_of
     from dspark.model_card import weight_count
     from dspark.train.checkpoint import read_config, require_checkpoint
 
@@ -79,13 +78,10 @@ def load_rows(cfg: CompareConfig, vocab_size: int | None = None) -> tuple[list[R
     for spec in cfg.drafters:
         name, folder = spec.split("=", 1)
         ckpt = require_checkpoint(folder)
-        config = read_config(ckpt)
-        kind = kind_of(config, f"{ckpt}/config.json")
-        named = config["speculators_config"]["verifier"]["name_or_path"]
-        verifier = verifier or named
-        model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))
+        verifier = verifier or read_config(ckpt)["speculators_config"]["verifier"]["name_or_path"]
+        model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))  # checks the kind
         steps, seconds = training_record(ckpt)
-        rows.append(Row(name, kind.name, drafter_for(model), folder, weight_count(ckpt / "model.safetensors") or 0,
+        rows.append(Row(name, model.config.speculators_model_type, drafter_for(model), folder, weight_count(ckpt / "model.safetensors") or 0,
                         steps, seconds))
     if verifier is None or not (Path(verifier) / "config.json").exists():
         raise InputError(f"no local verifier folder to decode with (the drafters name {verifier!r})",

@@ -48,9 +48,7 @@ class Eagle3Context:
 
 
 class Eagle3Drafter:
-    layout = "eagle3"
     confidence = None
-    needs_states = True
 
     def __init__(self, model, num_speculative_tokens: int | None = None):
         self.model = model

@@ -53,9 +53,7 @@ class NgramContext:
 class NgramDrafter:
     """The decode loop's drafter interface (see decode/drafter.py's Drafter) over prompt lookup."""
 
-    layout = "ngram"
     confidence = None
-    needs_states = False
 
     def __init__(self, vocab_size: int, num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
                  prompt_lookup_max: int = 5, max_len: int | None = None):
