@@ -453,7 +453,8 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
     vocab = f"{draft_vocab}" + (f" of the verifier's {verifier_vocab}" if verifier_vocab else "") + \
         (" (full vocabulary)" if draft_vocab == verifier_vocab else " (reduced: tokens outside it are never drafted)"
          if verifier_vocab else "")
-    layers = config.get("aux_hidden_state_layer_ids") or []
+    # EAGLE-3 configs name their layers under their own key
+    layers = config.get("aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids") or []
     of = (p.manifest or {}).get("num_hidden_layers")
     verifier_hidden = config.get("target_hidden_size") or (p.manifest or {}).get("hidden_size")
     hidden = f"{tl.get('hidden_size', '?')}" + (f" (verifier: {verifier_hidden})" if verifier_hidden else "")

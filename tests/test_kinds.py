@@ -215,6 +215,7 @@ def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(ea
         choose(ServeDraftConfig(verifier="v", drafter=str(out), method="dflash"), False)
     card = (out / "README.md").read_text()
     assert "# EAGLE-3 drafter for Org/Tiny" in card and '"method": "eagle3"' in card
+    assert "| Target layer ids | 1, 3, 5 (of the verifier's 6 layers) |" in card
     assert "| Block size |" not in card and "--block-size" not in card and "--ttt-steps 3" in card
     proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--store", store, check=False)
     assert proc.returncode != 0 and "is an EAGLE-3 drafter" in proc.stderr and "--decode" in proc.stderr
