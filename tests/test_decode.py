@@ -10,8 +10,8 @@ import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
 from dspark.decode.drafter import DraftContext, Drafter, Proposal
-from dspark.decode.loop import accept, autoregressive, prefill, speculative
-from dspark.decode.report import summarize
+from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
+from dspark.decode.report import difference, summarize
 from dspark.decode.config import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.errors import InputError
@@ -234,6 +234,23 @@ def test_block_verification_accepts_at_least_as_much_as_standard():
 
 
 @pytest.mark.slow
+def test_the_mean_acceptance_length_carries_its_standard_error_over_prompts():
+    easy, hard = Trace([0] * 4, verified=[3, 3], accepted=[1, 1]), Trace([0] * 4, verified=[3] * 4, accepted=[0] * 4)
+    s = summarize([easy, hard], 3)
+    assert s["per_request"] == [[2, 2], [4, 0]] and s["mean_acceptance_length"] == pytest.approx(4 / 3)
+    # by hand: rate 1/3; each prompt's share (accepted - rate * steps) / 6 steps = +-2/9; sqrt(2/1 * 2 * (2/9)^2)
+    assert s["mean_acceptance_length_se"] == pytest.approx(4 / 9)
+    assert summarize([easy], 3)["mean_acceptance_length_se"] is None  # one prompt tells nothing of the spread
+    # paired on the same prompts: a drafter against itself differs by exactly nothing, however noisy each is
+    assert difference(s, s) == (0.0, 0.0)
+    better = summarize([Trace([0] * 4, verified=[3, 3], accepted=[2, 2]), hard], 3)  # one prompt gains 2
+    delta, se = difference(better, s)
+    # all of the gain on one of two prompts: shares (4/9 - 2/9, -4/9 + 2/9), so as uncertain as one drafter alone
+    assert delta == pytest.approx(1 / 3) and se == pytest.approx(4 / 9)
+    with pytest.raises(ValueError, match="different prompts"):
+        difference(s, summarize([easy], 3))
+
+
 def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(reference_run, verifier, chat_file,
                                                                                 tmp_path):
     c, _ = reference_run

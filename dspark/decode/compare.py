@@ -35,6 +35,7 @@ class Row:
     params: int = 0      # the drafter's own weights (the verifier's borrowed ones are not in its file)
     train_steps: int | None = None
     train_s: float | None = None
+    checkpoint: Path | None = None  # a training checkpoint (not an export): the comparison is recorded beside it
 
 
 class LayerSelect:
@@ -81,8 +82,8 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
         verifier = verifier or read_config(ckpt)["speculators_config"]["verifier"]["name_or_path"]
         model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))  # checks the kind
         steps, seconds = training_record(ckpt)
-        rows.append(Row(name, model.config.speculators_model_type, drafter_for(model), folder, weight_count(ckpt / "model.safetensors") or 0,
-                        steps, seconds))
+        rows.append(Row(name, model.config.speculators_model_type, drafter_for(model), folder,
+                        weight_count(ckpt / "model.safetensors") or 0, steps, seconds, ckpt if steps is not None else None))
     if verifier is None or not (Path(verifier) / "config.json").exists():
         raise InputError(f"no local verifier folder to decode with (the drafters name {verifier!r})",
                          "pass --verifier FOLDER")
@@ -155,7 +156,12 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
                             "train_steps": r.train_steps, "train_s": r.train_s} for r in rows],
               "datasets": sets}
     out = Path(cfg.output)
-    write_report(result, out, "compare", markdown, plot, "drafters side by side: mean acceptance length per set")
+    title = "drafters side by side: mean acceptance length per set"
+    write_report(result, out, "compare", markdown, plot, title)
+    for r in rows:  # in each checkpoint's eval/, as `dspark eval` does: its exported model card shows the table
+        if r.checkpoint is not None:
+            write_report({**result, "checkpoint": str(r.checkpoint), "row": r.name}, r.checkpoint / "eval", "compare",
+                         markdown, plot, title)
     return result, out
 
 
@@ -163,6 +169,11 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
 
 def _cell(x, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _length(s: dict) -> str:
+    se = s.get("mean_acceptance_length_se")
+    return f"{s['mean_acceptance_length']:.2f}" + ("" if se is None else f" ± {se:.2f}")
 
 
 def markdown(result: dict) -> str:
@@ -184,7 +195,7 @@ def markdown(result: dict) -> str:
                   "speedup |", "|---|" + "---:|" * n + "---:|---:|---:|---:|---:|---:|"]
         for name, s in ds["drafters"].items():
             rates = [f"{p['rate']:.3f}" for p in s["positions"]] + [""] * (n - len(s["positions"]))
-            lines.append(f"| {name} | {' | '.join(rates)} | {s['mean_acceptance_length']:.2f} | "
+            lines.append(f"| {name} | {' | '.join(rates)} | {_length(s)} | "
                          f"{s['drafted_steps']} of {s['drafts']} | {s['mean_acceptance_length_drafted']:.2f} | "
                          f"{s['drafted_tokens_per_s']:.0f} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x |")
     subs = [ds for ds in result["datasets"] if any(s["by_subdomain"] for s in ds["drafters"].values())]
@@ -195,11 +206,13 @@ def markdown(result: dict) -> str:
         for ds in subs:
             groups = list(next(iter(ds["drafters"].values()))["by_subdomain"])
             for g in groups:
-                cells = [f"{ds['drafters'][n]['by_subdomain'][g]['mean_acceptance_length']:.2f}" for n in names]
+                cells = [_length(ds['drafters'][n]['by_subdomain'][g]) for n in names]
                 lines.append(f"| {ds['name']} | {g} | {' | '.join(cells)} |")
     lines += ["", "Mean length counts every verifier step (tokens per forward); a step without drafts (prompt lookup "
               "found no match) yields the verifier's token alone. *Per drafted step* is vLLM's mean acceptance "
-              "length, over the steps that carried drafts."]
+              "length, over the steps that carried drafts. ± is the standard error over prompts (a prompt's steps "
+              "are not independent draws): two drafters closer than about twice it are not told apart by these "
+              "prompts."]
     return "\n".join(lines) + "\n"
 
 
@@ -215,11 +228,13 @@ def plot(result: dict, path: Path, title: str) -> None:
     x, width = np.arange(len(sets)), 0.8 / len(names)
     for i, name in enumerate(names):
         vals = [ds["drafters"][name]["mean_acceptance_length"] for ds in sets]
-        bars = ax.bar(x - 0.4 + width * (i + 0.5), vals, width, label=name, color=f"C{i}")
+        errs = [ds["drafters"][name].get("mean_acceptance_length_se") or 0.0 for ds in sets]
+        bars = ax.bar(x - 0.4 + width * (i + 0.5), vals, width, yerr=errs, capsize=2, label=name, color=f"C{i}",
+                      error_kw={"linewidth": 0.8})
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.0, color="gray", linewidth=0.8, linestyle=":")  # the verifier alone: one token per forward
     ax.set_xticks(x, [ds["name"] for ds in sets])
-    ax.set(ylabel="mean acceptance length (tokens per verifier step)")
+    ax.set(ylabel="mean acceptance length (tokens per verifier step)\nerror bars: ± one standard error over prompts")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     from dspark.evaluate import save_figure

@@ -8,6 +8,11 @@ steps that reached position k; the mean acceptance length counts the verifier's 
 A step without drafts (prompt lookup finding no match, a confidence cut at 0) is not a draft
 to vLLM: `drafted_steps` and `mean_acceptance_length_drafted` count as vLLM does, while
 `drafts` and `mean_acceptance_length` count every verifier step, the tokens a forward yields.
+
+A mean length measured on a few prompts is noisy, and its steps are not independent (a prompt that
+the drafter finds easy gives many long steps): `mean_acceptance_length_se` is its standard error
+with requests as the sampling unit, and `difference` compares two drafters decoded on the same
+prompts, pairing each prompt with itself.
 """
 
 from __future__ import annotations
@@ -23,6 +28,30 @@ from dspark.evaluate import save_figure
 BEYOND = "beyond the verifier's maximum length"
 
 
+def _linearized(per_request: list[list[int]]) -> np.ndarray | None:
+    """Each request's share of the error of the mean acceptance length, (accepted - rate * steps) / all steps:
+    the delta method for a ratio of sums over requests (None where the ratio is undefined)."""
+    steps, accepted = np.array(per_request, dtype=np.float64).reshape(-1, 2).T
+    if steps.sum() == 0:
+        return None
+    return (accepted - accepted.sum() / steps.sum() * steps) / steps.sum()
+
+
+def _se(z: np.ndarray | None) -> float | None:
+    n = 0 if z is None else len(z)
+    return float(np.sqrt(n / (n - 1) * (z ** 2).sum())) if n > 1 else None
+
+
+def difference(a: dict, b: dict) -> tuple[float, float | None]:
+    """Mean acceptance length of summary `a` minus `b`'s (the same prompts, in the same order), and the
+    standard error of that difference with each prompt paired with itself (None: fewer than 2 prompts)."""
+    if len(a["per_request"]) != len(b["per_request"]):
+        raise ValueError(f"paired over different prompts: {len(a['per_request'])} and {len(b['per_request'])}")
+    za, zb = _linearized(a["per_request"]), _linearized(b["per_request"])
+    delta = a["mean_acceptance_length"] - b["mean_acceptance_length"]
+    return delta, None if za is None or zb is None else _se(za - zb)
+
+
 def summarize(traces: list[Trace], n_spec: int) -> dict:
     accepted = np.array([a for t in traces for a in t.accepted], dtype=np.int64)
     verified = np.array([v for t in traces for v in t.verified], dtype=np.int64)
@@ -32,10 +61,13 @@ def summarize(traces: list[Trace], n_spec: int) -> dict:
     reached = [steps, *at[:-1]]
     draft_s, verify_s = sum(t.draft_s for t in traces), sum(t.verify_s for t in traces)
     tokens, seconds = sum(len(t.tokens) for t in traces), sum(t.seconds for t in traces)
+    per_request = [[len(t.accepted), sum(t.accepted)] for t in traces]
     return {
         "requests": len(traces), "drafts": steps, "draft_tokens": int(verified.sum()),
         "accepted_tokens": int(accepted.sum()), "tokens": tokens,
         "mean_acceptance_length": 1 + float(accepted.sum()) / max(steps, 1),
+        "mean_acceptance_length_se": _se(_linearized(per_request)),
+        "per_request": per_request,  # [verifier steps, accepted drafts] per request, in order
         "drafted_steps": int((verified > 0).sum()),
         "mean_acceptance_length_drafted": 1 + float(accepted.sum()) / max(int((verified > 0).sum()), 1),
         "positions": [{"position": k + 1, "drafted": drafted[k], "accepted": at[k],

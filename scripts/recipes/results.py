@@ -99,16 +99,21 @@ def _baseline_goals(compared: dict | None) -> list[dict]:
     if not compared:
         return [_goal("DSpark's mean acceptance length >= every baseline's on every set (`dspark compare`)",
                       None, 0, "")]
+    from dspark.decode.report import difference
+
     out = []
     for ds in compared["datasets"]:
         rows = ds["drafters"]
-        groups = [(ds["name"], {n: s["mean_acceptance_length"] for n, s in rows.items()})]
-        groups += [(f"{ds['name']}/{g}", {n: s["by_subdomain"][g]["mean_acceptance_length"] for n, s in rows.items()})
+        groups = [(ds["name"], rows)]
+        groups += [(f"{ds['name']}/{g}", {n: s["by_subdomain"][g] for n, s in rows.items()})
                    for g in rows["dspark"]["by_subdomain"]]
-        for where, lengths in groups:
-            best = max((v, n) for n, v in lengths.items() if n != "dspark")
-            out.append(_goal(f"DSpark's mean acceptance length on {where} >= the best baseline's ({best[1]}: "
-                             f"{best[0]:.2f})", lengths["dspark"], best[0], "{:.2f}"))
+        for where, summaries in groups:
+            best = max((s["mean_acceptance_length"], n) for n, s in summaries.items() if n != "dspark")
+            goal = _goal(f"DSpark's mean acceptance length on {where} >= the best baseline's ({best[1]}: "
+                         f"{best[0]:.2f})", summaries["dspark"]["mean_acceptance_length"], best[0], "{:.2f}")
+            delta, se = difference(summaries["dspark"], summaries[best[1]])  # paired: the same prompts
+            goal["shown"] += f" ({delta:+.2f}" + ("" if se is None else f" ± {se:.2f}") + ")"
+            out.append(goal)
     return out
 
 
