@@ -26,10 +26,11 @@ from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.hub import model_name
 from dspark.kinds import kind_of
 
-# The reports `dspark eval` writes into CHECKPOINT/eval, and the figures export copies beside the card.
+# The reports `dspark eval` and `dspark compare` write into CHECKPOINT/eval, and the figures export copies beside the card.
 EVAL_DIR = "eval"
 REPORTS = (("eval", "Teacher-forced acceptance (`dspark eval`)"),
-           ("decode", "Speculative decoding (`dspark eval --decode`)"))
+           ("decode", "Speculative decoding (`dspark eval --decode`)"),
+           ("compare", "Side by side with other drafters (`dspark compare`)"))
 FIGURES = tuple(f"{name}.png" for name, _ in REPORTS)
 
 PLACEHOLDERS = {"verifier": "<verifier>", "chat": "<chat.jsonl>", "prepared": "<prepared>", "store": "<store>",
@@ -588,6 +589,8 @@ def _acceptance(ckpt: Path, p: Provenance, known: dict[str, str]) -> tuple[list[
                     + " scored as an anchor, with the verifier's own hidden states (teacher-forced): per block "
                     "position, the greedy match rate, the analytic acceptance 1-TV, the chance of reaching that "
                     "position, the confidence head's prediction, and tau by context length.", ""]
+        if name == "compare":
+            out += [f"This drafter is the row `{data.get('row')}`.", ""]
         out += [_demote(scrub(md.strip(), known)), ""]
         if png is not None:
             out += [f"![{title}]({name}.png)", ""]

@@ -176,12 +176,14 @@ def test_teacher_forced_eval_scores_a_dflash_drafter(dflash_run, store, tmp_path
 
 def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, eagle3_run, reference_run, chat_file,
                                                                    tmp_path):
-    c, _ = dflash_run
-    ref, _ = reference_run
-    e3, _ = eagle3_run
+    import shutil
+
+    # copies: compare records itself beside each checkpoint it reads, and the fixtures' runs are shared
+    runs = {name: tmp_path / name for name in ("dspark", "dflash", "eagle3")}
+    for (name, ckpt), (c, _) in zip(runs.items(), (reference_run, dflash_run, eagle3_run)):
+        shutil.copytree(os.path.realpath(os.path.join(c.save_path, "latest")), ckpt)
     out = tmp_path / "cmp"
-    proc = run_cli("compare", "--drafter", f"dspark={ref.save_path}/latest", "--drafter", f"dflash={c.save_path}/latest",
-                   "--drafter", f"eagle3={e3.save_path}/latest",
+    proc = run_cli("compare", *(a for name, ckpt in runs.items() for a in ("--drafter", f"{name}={ckpt}")),
                    "--prompts", f"chat={chat_file}", "--max-prompts", "3", "--max-new-tokens", "24",
                    "--prompt-lookup-min", "1", "--output", out, "--no-progress")
     result = json.loads((out / "compare.json").read_text())
@@ -193,11 +195,21 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
     (chat,) = result["datasets"]
     for name, s in chat["drafters"].items():
         assert s["outputs_equal_verifier_only"] == chat["prompts"] == 3, name  # greedy: lossless, every kind
+        assert len(s["per_request"]) == 3 and s["mean_acceptance_length_se"] >= 0, name
         assert s["speedup"] > 0 and len(s["positions"]) == {"dspark": 8, "dflash": 7, "eagle3": 3, "ngram": 4}[name]
     assert chat["drafters"]["ngram"]["drafted_steps"] <= chat["drafters"]["ngram"]["drafts"]
     table = (out / "compare.md").read_text()
     assert "| dspark |" in table and "| dflash |" in table and "| ngram |" in table and "training steps" in table
+    se = chat["drafters"]["dspark"]["mean_acceptance_length_se"]
+    assert f"| {chat['drafters']['dspark']['mean_acceptance_length']:.2f} ± {se:.2f} |" in table
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG" and "| ngram |" in proc.stdout
+    # ...and in each checkpoint's eval/, naming its row: the drafter's model card carries the table
+    beside = json.loads((runs["dflash"] / "eval" / "compare.json").read_text())
+    assert (beside["row"], beside["checkpoint"], beside["datasets"]) == ("dflash", str(runs["dflash"].resolve()), result["datasets"])
+    run_cli("export", runs["dflash"], "--output", tmp_path / "export", "--verifier-name", "Org/Tiny")
+    card = (tmp_path / "export" / "README.md").read_text()
+    assert "### Side by side with other drafters" in card and "This drafter is the row `dflash`." in card
+    assert "| eagle3 | eagle3 |" in card and (tmp_path / "export" / "compare.png").is_file()
 
 
 def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(eagle3_run, store, verifier, prepared,
