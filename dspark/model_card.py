@@ -26,7 +26,8 @@ from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.hub import model_name
 from dspark.kinds import kind_of
 
-# The reports `dspark eval` and `dspark compare` write into CHECKPOINT/eval, and the figures export copies beside the card.
+# The reports `dspark eval` and `dspark compare` write into CHECKPOINT/eval, and the figures export
+# copies beside the card.
 EVAL_DIR = "eval"
 REPORTS = (("eval", "Teacher-forced acceptance (`dspark eval`)"),
            ("decode", "Speculative decoding (`dspark eval --decode`)"),

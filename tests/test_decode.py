@@ -233,7 +233,6 @@ def test_block_verification_accepts_at_least_as_much_as_standard():
     assert mean["block"] >= mean["standard"] - 0.03
 
 
-@pytest.mark.slow
 def test_the_mean_acceptance_length_carries_its_standard_error_over_prompts():
     easy, hard = Trace([0] * 4, verified=[3, 3], accepted=[1, 1]), Trace([0] * 4, verified=[3] * 4, accepted=[0] * 4)
     s = summarize([easy, hard], 3)
@@ -251,6 +250,7 @@ def test_the_mean_acceptance_length_carries_its_standard_error_over_prompts():
         difference(s, summarize([easy], 3))
 
 
+@pytest.mark.slow
 def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(reference_run, verifier, chat_file,
                                                                                 tmp_path):
     c, _ = reference_run

@@ -83,7 +83,8 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
         model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))  # checks the kind
         steps, seconds = training_record(ckpt)
         rows.append(Row(name, model.config.speculators_model_type, drafter_for(model), folder,
-                        weight_count(ckpt / "model.safetensors") or 0, steps, seconds, ckpt if steps is not None else None))
+                        weight_count(ckpt / "model.safetensors") or 0, steps, seconds,
+                        checkpoint=ckpt if steps is not None else None))
     if verifier is None or not (Path(verifier) / "config.json").exists():
         raise InputError(f"no local verifier folder to decode with (the drafters name {verifier!r})",
                          "pass --verifier FOLDER")
