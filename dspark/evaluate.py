@@ -25,6 +25,7 @@ import torch
 from dspark.errors import InputError
 from dspark.files import replacing, write_atomic
 from dspark.jsonio import dump_json
+from dspark.model_card import EVAL_DIR
 from dspark.tracking.run import log_results
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
@@ -324,7 +325,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     if data.damaged:
         result["damaged_skipped"] = sorted(data.damaged)
         print(f"warning: {data.damaged_report()}", file=sys.stderr)
-    out = Path(output) if output else ckpt / "eval"
+    out = Path(output) if output else ckpt / EVAL_DIR
     write_report(result, out, "eval", markdown, plot, f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
     log_results(ckpt, tracked(result), [out / "eval.png"])
     return result, out

@@ -22,6 +22,7 @@ import torch
 
 from dspark.decode.config import CompareConfig
 from dspark.errors import InputError
+from dspark.model_card import EVAL_DIR
 
 
 @dataclass
@@ -161,8 +162,8 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     write_report(result, out, "compare", markdown, plot, title)
     for r in rows:  # in each checkpoint's eval/, as `dspark eval` does: its exported model card shows the table
         if r.checkpoint is not None:
-            write_report({**result, "checkpoint": str(r.checkpoint), "row": r.name}, r.checkpoint / "eval", "compare",
-                         markdown, plot, title)
+            write_report({**result, "checkpoint": str(r.checkpoint), "row": r.name}, r.checkpoint / EVAL_DIR,
+                         "compare", markdown, plot, title)
     return result, out
 
 

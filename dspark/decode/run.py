@@ -10,6 +10,7 @@ import torch
 
 from dspark.decode.config import DecodeConfig
 from dspark.errors import InputError
+from dspark.model_card import EVAL_DIR
 
 
 def _sampling(cfg: DecodeConfig) -> str:
@@ -120,7 +121,7 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     for d in result["datasets"]:  # tuple keys are for building the table; JSON gets "subdomain/bucket"
         d["by_bucket"] = {f"{s or '-'}/{b}": v for (s, b), v in d["by_bucket"].items()}
         d["too_long"] = {f"{s or '-'}/{b}": v for (s, b), v in d["too_long"].items()}
-    out = Path(output) if output else ckpt / "eval"
+    out = Path(output) if output else ckpt / EVAL_DIR
     write_report(result, out, "decode", markdown, plot, f"{run_root.name}/{ckpt.name}: speculative decoding")
     log_results(ckpt, tracked(result), [out / "decode.png"])
     return result, out
