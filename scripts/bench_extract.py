@@ -12,7 +12,10 @@ warm-up on other samples are not timed):
   prefilling each batch (max_tokens=1, no connector); `extract` is `dspark extract --engine vllm`'s
   engine (the extract_hidden_states method + our KV connector writing a Zarr store), timed until
   every sample is durable.
-Prints medians and the overhead of extract over bare (`--json` also writes them). Reports; asserts nothing.
+Prints each arm's min/median/max and the overhead of extract over bare: of the medians, and per
+repeat, where the two arms ran back to back (their order alternates between repeats, so neither always
+gets the warmer machine), which shows how much of a few percent is this machine's noise. `--json` also
+writes them. Reports; asserts nothing.
 """
 
 from __future__ import annotations
@@ -79,13 +82,19 @@ def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
         finally:
             shutil.rmtree(root)
 
-    times = {"bare": [], "extract": []}
     run_bare([warmup]), run_extract([warmup])
-    for _ in range(args.repeats):
-        for name, f in (("bare", run_bare), ("extract", run_extract)):
+    return _interleaved(args.repeats, {"bare": run_bare, "extract": run_extract})
+
+
+def _interleaved(repeats: int, arms: dict) -> dict[str, list[float]]:
+    """Seconds of each arm per repeat; `arms` maps a name to a call that runs it and returns its
+    seconds, or None to be timed here. The arms' order alternates, so drift does not favour one."""
+    times = {name: [] for name in arms}
+    for r in range(repeats):
+        for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
             t = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t)
+            seconds = arms[name]()
+            times[name].append(seconds if seconds is not None else time.perf_counter() - t)
     return times
 
 
@@ -128,15 +137,14 @@ def _vllm_worker(args, data, batches, warmup) -> float:
 
 
 def _vllm(args) -> dict[str, list[float]]:
-    times = {"bare": [], "extract": []}
-    for _ in range(args.repeats):
-        for arm in times:
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", arm]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            if out.returncode:
-                sys.exit(f"error: the {arm} arm failed:\n{out.stderr[-3000:]}")
-            times[arm].append(json.loads(out.stdout.strip().splitlines()[-1])["seconds"])
-    return times
+    def worker(arm):  # its own seconds: the process's startup and warm-up are not timed
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", arm]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"error: the {arm} arm failed:\n{out.stderr[-3000:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+
+    return _interleaved(args.repeats, {arm: (lambda arm=arm: worker(arm)) for arm in ("bare", "extract")})
 
 
 def main():
@@ -158,14 +166,20 @@ def main():
     times = _vllm(args) if args.engine == "vllm" else _transformers(args, data, batches, warmup)
     tokens = sum(len(t) for b in batches for _, t in b)
     b, e = statistics.median(times["bare"]), statistics.median(times["extract"])
+    paired = [x / y - 1 for x, y in zip(times["extract"], times["bare"])]
     result = {"engine": args.engine, "model": args.model, "samples": sum(map(len, batches)), "tokens": tokens,
               "repeats": args.repeats, "bare_s": b, "extract_s": e, "bare_tokens_per_s": tokens / b,
-              "extract_tokens_per_s": tokens / e, "overhead": e / b - 1, "times": times}
+              "extract_tokens_per_s": tokens / e, "overhead": e / b - 1,
+              "overhead_per_repeat": paired, "times": times}
     print(f"# {args.engine}: {result['samples']} samples, {tokens} tokens, {len(batches)} batches; "
-          f"medians of {args.repeats}")
-    print("| arm | seconds | tokens/s |\n|---|---:|---:|")
-    print(f"| bare forward | {b:.3f} | {tokens / b:,.0f} |\n| extract (capture + Zarr write) | {e:.3f} | {tokens / e:,.0f} |")
-    print(f"capture + write overhead: {100 * (e / b - 1):+.1f}%")
+          f"{args.repeats} repeats")
+    print("| arm | min s | median s | max s | tokens/s (median) |\n|---|---:|---:|---:|---:|")
+    for arm, label in (("bare", "bare forward"), ("extract", "extract (capture + Zarr write)")):
+        t = times[arm]
+        m = statistics.median(t)
+        print(f"| {label} | {min(t):.3f} | {m:.3f} | {max(t):.3f} | {tokens / m:,.0f} |")
+    print(f"capture + write overhead: {100 * (e / b - 1):+.1f}% (medians); per repeat, back to back: "
+          + ", ".join(f"{100 * p:+.1f}%" for p in paired))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(dump_json(result, indent=2) + "\n")

