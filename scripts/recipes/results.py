@@ -269,7 +269,8 @@ def markdown(r: dict) -> str:
         # a JSON from before the bench recorded its repeats' pairs shows none
         per_repeat = ", ".join(f"{p:+.1%}" for p in b.get("overhead_per_repeat", [])) if b else ""
         out.append(_row([engine, f"{b['bare_tokens_per_s']:,.0f}", f"{b['extract_tokens_per_s']:,.0f}",
-                         f"{b['overhead']:+.1%}", per_repeat]) if b else _row([engine, "-", "-", "not measured yet", ""]))
+                         f"{b['overhead']:+.1%}", per_repeat])
+                   if b else _row([engine, "-", "-", "not measured yet", ""]))
     if r["regenerate"]:
         g = r["regenerate"]
         out += ["", f"Regeneration: {json.dumps({k: v for k, v in g.items() if not isinstance(v, (dict, list))})}"]
@@ -278,7 +279,8 @@ def markdown(r: dict) -> str:
         out += ["", f"Data: ShareGPT {h['conversations']} conversations read, {h['distinct_prompts']} distinct "
                 f"prompts, {h['heldout']} held out, {h['train']} eligible for training; dropped: "
                 f"{json.dumps(h['dropped_by_reason'])}"]
-    out += ["", "## Seconds per step (its last completed run, interruptions included)", "", "| step | seconds |", "|---|---:|"]
+    out += ["", "## Seconds per step (its last completed run, interruptions included)", "",
+            "| step | seconds |", "|---|---:|"]
     out += [_row([k, v]) for k, v in r["timings_s"].items()]
     out.append(_row(["total", sum(r["timings_s"].values())]))
     return "\n".join(out) + "\n"
