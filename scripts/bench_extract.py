@@ -82,19 +82,22 @@ def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
         finally:
             shutil.rmtree(root)
 
+    def seconds(run):
+        t = time.perf_counter()
+        run()
+        return time.perf_counter() - t
+
     run_bare([warmup]), run_extract([warmup])
-    return _interleaved(args.repeats, {"bare": run_bare, "extract": run_extract})
+    return _interleaved(args.repeats, {"bare": lambda: seconds(run_bare), "extract": lambda: seconds(run_extract)})
 
 
 def _interleaved(repeats: int, arms: dict) -> dict[str, list[float]]:
-    """Seconds of each arm per repeat; `arms` maps a name to a call that runs it and returns its
-    seconds, or None to be timed here. The arms' order alternates, so drift does not favour one."""
+    """Seconds of each arm per repeat; `arms` maps a name to a call that runs it once and returns its
+    seconds. The arms' order alternates, so drift does not favour one."""
     times = {name: [] for name in arms}
     for r in range(repeats):
         for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
-            t = time.perf_counter()
-            seconds = arms[name]()
-            times[name].append(seconds if seconds is not None else time.perf_counter() - t)
+            times[name].append(arms[name]())
     return times
 
 
@@ -147,6 +150,11 @@ def _vllm(args) -> dict[str, list[float]]:
     return _interleaved(args.repeats, {arm: (lambda arm=arm: worker(arm)) for arm in ("bare", "extract")})
 
 
+def paired_overheads(times: dict[str, list[float]]) -> list[float]:
+    """Extract over bare per repeat: the two ran back to back, so the machine's drift mostly cancels."""
+    return [x / y - 1 for x, y in zip(times["extract"], times["bare"])]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
@@ -166,11 +174,9 @@ def main():
     times = _vllm(args) if args.engine == "vllm" else _transformers(args, data, batches, warmup)
     tokens = sum(len(t) for b in batches for _, t in b)
     b, e = statistics.median(times["bare"]), statistics.median(times["extract"])
-    paired = [x / y - 1 for x, y in zip(times["extract"], times["bare"])]
     result = {"engine": args.engine, "model": args.model, "samples": sum(map(len, batches)), "tokens": tokens,
               "repeats": args.repeats, "bare_s": b, "extract_s": e, "bare_tokens_per_s": tokens / b,
-              "extract_tokens_per_s": tokens / e, "overhead": e / b - 1,
-              "overhead_per_repeat": paired, "times": times}
+              "extract_tokens_per_s": tokens / e, "overhead": e / b - 1, "times": times}
     print(f"# {args.engine}: {result['samples']} samples, {tokens} tokens, {len(batches)} batches; "
           f"{args.repeats} repeats")
     print("| arm | min s | median s | max s | tokens/s (median) |\n|---|---:|---:|---:|---:|")
@@ -179,7 +185,7 @@ def main():
         m = statistics.median(t)
         print(f"| {label} | {min(t):.3f} | {m:.3f} | {max(t):.3f} | {tokens / m:,.0f} |")
     print(f"capture + write overhead: {100 * (e / b - 1):+.1f}% (medians); per repeat, back to back: "
-          + ", ".join(f"{100 * p:+.1f}%" for p in paired))
+          + ", ".join(f"{p:+.1%}" for p in paired_overheads(times)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(dump_json(result, indent=2) + "\n")
