@@ -447,3 +447,34 @@ def test_an_object_that_vanished_is_named_as_such(master):
     reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master))
     with pytest.raises(ObjectGone, match="lease expired"):
         reader.store.get("dspark/never/written")
+
+
+def test_a_reply_cut_off_mid_send_is_a_connection_error():
+    """A server killed while sending (SIGTERM in the middle of a reply) is unreachable to every caller's retry and
+    down-budget handling, not a crash: http.client's IncompleteRead is no OSError."""
+    import http.server
+    import threading
+
+    from dspark.connector.live import ExtractionClient
+
+    class CutOff(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "1269")
+            self.end_headers()
+            self.wfile.write(b'{"choices"')  # then the connection closes
+
+        def log_message(self, *args):  # keep pytest's output clean
+            return
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CutOff)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ExtractionClient(f"http://127.0.0.1:{server.server_port}/v1", timeout=10, stall_timeout=4,
+                                  prepared_fingerprint="x")
+        client.model = "m"
+        with pytest.raises(ConnectionError, match="broke off its reply: IncompleteRead"):
+            client.extract(0, [1, 2, 3])
+    finally:
+        server.shutdown()

@@ -111,6 +111,8 @@ class ExtractionClient:
                                      f"{self.probe_timeout:g} s")
             r = conn.getresponse()
             data = r.read()
+        except http.client.HTTPException as e:  # a reply cut off (the server died mid-send) or garbled
+            raise ConnectionError(f"the extraction server at {self.base} broke off its reply: {e!r}") from e
         finally:
             conn.close()
         if r.status != 200:
