@@ -18,15 +18,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dspark.errors import InputError
-from dspark.files import replacing, write_atomic
+from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
 from dspark.model_card import EVAL_DIR
 from dspark.tracking.run import log_results
+
+if TYPE_CHECKING:  # torch loads inside the functions: `dspark eval`'s settings import this module's constants
+    import torch
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # Blocks scored per eval, over all batches: a rate's standard error is at most 0.5/sqrt(2048) = 0.011,
@@ -124,10 +127,11 @@ def evaluate(model, data, batches, device: torch.device, cfg, max_anchors: int =
     """Score `batches` with the loss settings of `cfg` (the run's TrainConfig) on a seeded sample of anchors."""
     from dataclasses import replace
 
+    import torch
     from tqdm import tqdm
 
     from dspark.train.data import Loader
-    from dspark.train.loop import _to_device
+    from dspark.train.loop import to_device
     from dspark.train.model import loss_kwargs
 
     B = model.block_size
@@ -149,7 +153,7 @@ def evaluate(model, data, batches, device: torch.device, cfg, max_anchors: int =
         # batch, in a fork so the caller's random state is left as it was
         with torch.no_grad(), observe_forward() as seen, torch.random.fork_rng(devices=[]):
             torch.manual_seed(anchor_seed * 1_000_003 + i)
-            model(**_to_device(batch, device), **kw)
+            model(**to_device(batch, device), **kw)
         logits, targets = seen["logits"][0].float(), seen["targets"][0].float()
         tv = 0.5 * (logits.softmax(-1) - targets.softmax(-1)).abs().sum(-1)
         anchors, valid = seen["anchors"]

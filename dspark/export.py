@@ -18,14 +18,27 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import InputError
+from dspark.settings import setting
 from dspark.kinds import kind_of
 from dspark.model_card import FIGURES, docker_command, render, serve_command, terminal_note
 
 # The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
 EXPORT_FILES = {"config.json", "model.safetensors", "README.md", *FIGURES}
+
+
+@dataclass
+class ExportConfig:
+    """`dspark export`: a checkpoint as a vLLM-loadable drafter folder."""
+
+    checkpoint: str = setting(help="A checkpoint folder, e.g. RUN/latest.", positional=True)
+    output: str = setting(help="The drafter folder to write.")
+    verifier_name: str = setting(help="How vLLM users name the verifier, e.g. Org/Model.")
+    force: bool = setting(False, "Write into a non-empty --output that is not an export of CHECKPOINT.",
+                          negatable=False)
 
 
 def _absolute_paths(obj, where="config") -> list[str]:
@@ -54,7 +67,7 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
 
 
 def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
-    from dspark.files import copy_atomic, write_atomic
+    from dspark.fsio import copy_atomic, write_atomic
     from dspark.train.checkpoint import read_config, require_checkpoint
 
     src = require_checkpoint(checkpoint)

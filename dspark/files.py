@@ -1,4 +1,4 @@
-"""Reading files that a broken copy or a hostile user may have replaced, and writing them whole.
+"""Reading files that a broken copy or a hostile user may have replaced.
 
 A store, a model folder or a config may hold a symlink to /dev/zero, a FIFO, or a file
 grown sparse to terabytes: a plain `read()` of one allocates without end or waits
@@ -6,18 +6,14 @@ forever. The readers here open regular files only and never read more than the c
 expects. They raise `FileRefused`, whose message completes "<the file> ..."; callers
 turn it into their own user-facing error.
 
-Writers (`replacing`, `write_atomic`, `copy_atomic`) write a new file and rename it into
-place: a reader never sees half a file, and a symlink in the way is replaced, not followed.
+Writing them whole is `dspark.fsio`'s.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import shutil
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 _KINDS = {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFIFO: "a FIFO",
@@ -82,28 +78,3 @@ def file_xxh3(path: str | Path, block: int = 8 << 20) -> str:
         while n := f.readinto(buf):
             h.update(buf[:n])
     return h.hexdigest()
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator:
-    """A new binary file that replaces `path` once written whole: a reader sees the old file or the new one,
-    never half of one, and a symlink at `path` is itself replaced, never written through."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # left by a killed process that had this pid
-    try:
-        with open(tmp, "xb") as f:  # "x" (O_CREAT | O_EXCL) makes a new file: it never opens a symlink's target
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_atomic(path: Path, text: str) -> None:
-    with replacing(path) as f:
-        f.write(text.encode())
-
-
-def copy_atomic(src: Path, dst: Path) -> None:
-    with open(src, "rb") as s, replacing(dst) as d:
-        shutil.copyfileobj(s, d, 1 << 20)

@@ -11,6 +11,7 @@ import xxhash
 
 from dspark.errors import InputError
 from dspark.files import FileRefused, file_xxh3
+from dspark.verifier import VerifierInfo
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers loads a model's weights from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
@@ -35,12 +36,13 @@ def tokenizer_hash(model_dir: Path) -> str:
     return sha256_files([model_dir / n for n in TOKENIZER_FILES if (model_dir / n).exists()])
 
 
-def model_config_hash(model_dir: Path) -> str:
-    """Hash of the architecture-defining config (not weights: those are too big to hash each run)."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    for volatile in ("transformers_version", "_name_or_path", "architectures_version"):
-        cfg.pop(volatile, None)
-    return sha256_json(cfg)
+def model_config_hash(model: Path | VerifierInfo) -> str:
+    """Hash of the architecture-defining config (not weights: those are too big to hash each run).
+
+    `model`: the verifier's folder, or what was read of it (its whole config.json is hashed)."""
+    info = model if isinstance(model, VerifierInfo) else VerifierInfo.load(model)
+    volatile = ("transformers_version", "_name_or_path", "architectures_version")
+    return sha256_json({k: v for k, v in info.raw.items() if k not in volatile})
 
 
 def weights_hash(model_dir: Path) -> str:

@@ -25,11 +25,27 @@ import json
 import random
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_json
+from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
+from dspark.settings import setting
+
+
+@dataclass
+class HoldoutConfig:
+    """`dspark holdout`: which conversations are held out, and which reported prompts leave training."""
+
+    data: str = setting(help="Chat data in any format prepare reads.")
+    train: str = setting(help="Training JSONL to write.")
+    heldout_output: str = setting(help="Held-out JSONL to write.")
+    heldout: int = setting(help="Conversations to hold out.", ge=0)
+    exclude: list[str] = setting(factory=list, help="A prompt file reported on (HumanEval, MT-bench, chat JSONL; "
+                                                    "repeatable): its prompts leave training.")
+    seed: int = setting(0)
 
 MIN_OVERLAP_CHARS = 40
 _SPACE = re.compile(r"\s+")
@@ -130,16 +146,14 @@ def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: in
                "train": len(train), "heldout": len(held), "seed": seed, "exclude": [str(p) for p in exclude],
                "dropped_by_reason": dict(dropped.most_common()),
                "fingerprint": sha256_json({"train": train, "heldout": [unique[i][1] for i in held]})}
-    Path(f"{train_out}.summary.json").write_text(dump_json(summary, indent=2) + "\n")
+    write_atomic(Path(f"{train_out}.summary.json"), dump_json(summary, indent=2) + "\n")
     return summary
 
 
 def _write(path: Path, conversations: list[list[dict]]) -> None:
-    """Whole or not at all: a temp file renamed into place."""
+    """Whole or not at all: a reader never sees part of the file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with replacing(path) as f:
         for messages in conversations:
-            f.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+            f.write((json.dumps({"messages": messages}, ensure_ascii=False) + "\n").encode())

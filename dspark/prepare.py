@@ -21,9 +21,7 @@ import codecs
 import gzip
 import hashlib
 import json
-import os
 import re
-import shutil
 import signal
 import tempfile
 import threading
@@ -40,6 +38,7 @@ import numpy as np
 from dspark.errors import InputError
 from dspark.files import file_xxh3
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
+from dspark.settings import setting
 
 # Role names public dumps use -> the chat template's roles. Matched case-insensitively;
 # `--role-map` adds to or overrides this table. A conversation with a role found in
@@ -61,17 +60,24 @@ TIMEOUTS_BEFORE_GIVING_UP = 3
 
 @dataclass(frozen=True)
 class PrepareConfig:
-    model: str
-    data: str
-    output: str
-    seq_length: int = 2048
-    num_preprocessing_workers: int = 1
-    minimum_valid_tokens: int = 1
-    trust_remote_code: bool = False
-    role_map: str | dict | None = None  # extra role names: "bing=assistant,foo=user", JSON, or a dict
-    strict: bool = False                # a conversation that would be dropped is an error instead
-    skip_invalid_lines: bool = False    # count and skip malformed-JSON / non-UTF-8 lines instead of failing
-    template_timeout: float = 5.0       # seconds to render one conversation (real templates take ms); 0: no limit
+    model: str = setting(help="Verifier folder or cached hub id (for its tokenizer and chat template).")
+    data: str = setting(help="Chat JSONL: OpenAI `messages` or ShareGPT `conversations`.")
+    output: str = setting(help="The prepared folder to write.")
+    seq_length: int = setting(2048)
+    num_preprocessing_workers: int = setting(1)
+    minimum_valid_tokens: int = setting(1)
+    trust_remote_code: bool = setting(False, negatable=False)
+    role_map: str | dict | None = setting(
+        None, "Extra role names, e.g. 'bing=assistant,foo=user' (or JSON). Built in: human/prompter=user; "
+              "gpt/chatgpt/bing/bard/model/bot/ai=assistant. Conversations with other roles are dropped.",
+        metavar="NAME=ROLE,...")
+    strict: bool = setting(False, "Fail on the first conversation that would be dropped, naming its line.",
+                           negatable=False)
+    skip_invalid_lines: bool = setting(
+        False, "Skip and count malformed-JSON and non-UTF-8 lines instead of failing on the first.", negatable=False)
+    template_timeout: float = setting(
+        5.0, "Seconds the chat template may take to render one conversation (real ones take ms); longer is dropped "
+             "as template_timeout (an error with --strict). 0: no limit.", ge=0)
 
 
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
@@ -147,7 +153,7 @@ class _Invalid(Exception):
         self.detail, self.fix = detail, fix
 
 
-_SKIP_FIX = "or pass --skip-invalid-lines to skip and count such lines"
+SKIP_FIX = "or pass --skip-invalid-lines to skip and count such lines"
 _SURROGATES = re.compile("[\ud800-\udfff]")
 
 
@@ -188,7 +194,7 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
 
     def invalid(where: str, detail: str, fix: str) -> None:
         if not skip_invalid_lines:
-            raise InputError(f"{where}: {detail}", f"{fix}, {_SKIP_FIX}")
+            raise InputError(f"{where}: {detail}", f"{fix}, {SKIP_FIX}")
         data.invalid_lines += 1
 
     def accept(record, where: str) -> None:
@@ -604,20 +610,16 @@ def data_fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.n
 def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:
     import torch
 
+    from dspark.fsio import publishing, remove_leftovers
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    remove_leftovers(out)  # of a prepare killed mid-way (its process is gone)
+    with publishing(out, replace=True) as tmp:  # an earlier output is swapped out, then removed
         for name, arr in arrays.items():
             np.save(tmp / name, arr)
         torch.save(freq, tmp / "token_freq.pt")
         files = {name: {"bytes": (tmp / name).stat().st_size, "xxh3_128": file_xxh3(tmp / name)} for name in RECORDED_FILES}
         (tmp / "prepare.json").write_text(json.dumps({**meta, "files": files}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 class PreparedData:

@@ -60,9 +60,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dspark.config import check_settings, setting
+from dspark.settings import check_settings, setting
 from dspark.errors import InputError
+from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
+from dspark.verifier import VerifierInfo
 from dspark.verifier_check import check_verifier_config
 
 FORMAT = 1
@@ -237,14 +239,6 @@ class VllmGenerator(Generator):
 # --- prompts and settings ----------------------------------------------------------------------
 
 
-def _model_config(model: Path) -> dict:
-    path = model / "config.json"
-    if not path.is_file():
-        raise InputError(f"model folder {model} has no config.json", "pass --model a local Hugging Face model folder")
-    cfg = json.loads(path.read_text())
-    return cfg.get("text_config", cfg) | {k: v for k, v in cfg.items() if k in ("dtype", "torch_dtype")}
-
-
 def stop_token_ids(model: Path, tokenizer) -> list[int]:
     """The tokenizer's eos plus generation_config.json's eos_token_id(s): what ends a reply."""
     ids = [tokenizer.eos_token_id]
@@ -343,18 +337,8 @@ class Record:
     generated_tokens: int = 0  # over all runs
 
     def commit(self, path: Path) -> None:
-        """Replace the record atomically: a crash leaves the old one or the new one, never half of either."""
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic on POSIX; the directory fsync below makes the rename durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        """Replace the record atomically and durably: a crash leaves the old one or the new one, never half."""
+        write_atomic(path, json.dumps(asdict(self), indent=1))
 
 
 def resume(output: Path, settings: dict) -> tuple[Record, bool]:
@@ -395,11 +379,11 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     start_time = time.perf_counter()
     check_settings(cfg)
     model, output = Path(cfg.model), Path(cfg.output)
-    model_cfg = _model_config(model)
+    info = VerifierInfo.load(model, fix="pass --model a local Hugging Face model folder")
     tokenizer = load_tokenizer(model, cfg.trust_remote_code)
-    dtype = cfg.dtype or str(model_cfg.get("dtype") or model_cfg.get("torch_dtype") or "float32")
+    dtype = cfg.dtype or info.weights_dtype or "float32"
     stop = stop_token_ids(model, tokenizer)
-    prompts, dropped, read = load_prompts(cfg, tokenizer, model_cfg.get("max_position_embeddings"))
+    prompts, dropped, read = load_prompts(cfg, tokenizer, info.max_position_embeddings)
     settings = settings_key(cfg, dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "ab") as f:  # appends land at the end, also after resume() truncates
@@ -437,9 +421,7 @@ def _run(cfg, f, record: Record, resumed: bool, prompts: list[Prompt], dropped: 
                   "total_seconds": round(time.perf_counter() - start_time, 2), "up_to_date": up_to_date, "note": note}
         if read.cut_warning:  # a JSON array cut off at its end: its complete records were used
             result["input_warning"] = read.cut_warning
-        tmp = sidecar(output, ".summary.json.tmp")
-        tmp.write_text(dump_json(result, indent=2) + "\n")
-        os.replace(tmp, sidecar(output, ".summary.json"))
+        write_atomic(sidecar(output, ".summary.json"), dump_json(result, indent=2) + "\n")
         return result
 
     if record.done >= len(prompts):

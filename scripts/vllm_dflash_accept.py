@@ -47,6 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.serve_draft import local_drafter
 
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
            "sample_from_anchor": draft_cfg.get("sample_from_anchor"), "block_size": draft_cfg.get("block_size"),
            "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "wall_s": round(time.time() - t0, 2)}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(dump_json(out) + "\n")
+    write_atomic(Path(args.output), dump_json(out) + "\n")
     summary = {k: v for k, v in out.items() if k != "outputs"}
     print(json.dumps(summary, indent=1))
     return 0

@@ -78,10 +78,12 @@ def prepared(verifier, chat_file, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def store(verifier, prepared, tmp_path_factory) -> Path:
-    from dspark.extract.runner import ExtractConfig, run_extract
+    from dspark.connector.config import SinkConfig
+    from dspark.extract.config import ExtractConfig
+    from dspark.extract.runner import run_extract
 
     out = tmp_path_factory.mktemp("stores") / "demo"
-    run_extract(ExtractConfig(model=str(verifier), data=str(prepared), store=str(out),
+    run_extract(ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(store=str(out)),
                               target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     return out
 

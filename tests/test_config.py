@@ -12,7 +12,9 @@ from click.testing import CliRunner
 
 from conftest import LAYERS, run_cli
 from dspark.cli import main
-from dspark.config import MooncakeConfig, ServeLimits, check_settings, load_config_file
+from dspark.connector.config import MooncakeConfig
+from dspark.extract.config import ServeLimits
+from dspark.settings import check_settings, load_config_file
 from dspark.connector.manifest import default_store
 from dspark.errors import InputError
 from dspark.prepare import PreparedData
@@ -79,9 +81,11 @@ def test_impossible_training_settings_are_one_line(flags, error):
 
 
 def test_batch_tokens_zero_is_refused(verifier, prepared):
+    """Extraction's bounds are settings too: one line, as training's (click's usage block before the redesign)."""
     proc = run_cli("extract", "--model", verifier, "--data", prepared, "--target-layer-ids", "1",
                    "--batch-tokens", "0", check=False)
-    assert proc.returncode == 2 and "Invalid value for '--batch-tokens': 0 is not in the range x>=1" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --batch-tokens 0 must be >= 1"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_draft_vocabulary_larger_than_the_verifiers_is_refused(store, prepared, verifier, tmp_path):

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
-from dspark.decode.drafter import DraftContext, Drafter, Proposal
+from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
+from dspark.decode.proposal import Proposal
 from dspark.decode.report import difference, summarize
 from dspark.decode.config import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier

@@ -10,7 +10,7 @@ from dspark.decode import loop
 from dspark.decode.prompts import Prompt, PromptSet
 from dspark.decode.report import markdown
 from dspark.decode.config import DecodeConfig
-from dspark.decode.run import _decode_set
+from dspark.decode.run import decode_set
 from dspark.evaluate import write_report
 from dspark.train.checkpoint import RunDir
 from dspark.train.metrics import MetricLog
@@ -21,7 +21,7 @@ ACCEPTED = {1: [4, 4], 2: [1, 0], 3: [0, 0, 2]}
 
 @pytest.fixture
 def scripted(monkeypatch):
-    """The decode loop replaced by a script: `_decode_set`'s bookkeeping, without a model."""
+    """The decode loop replaced by a script: `decode_set`'s bookkeeping, without a model."""
     def speculative(verifier, drafter, ids, max_new, **kw):
         acc = ACCEPTED[ids[0]]
         return loop.Trace(tokens=[7] * (sum(acc) + len(acc)), verified=[4] * len(acc), accepted=list(acc),
@@ -37,7 +37,7 @@ def scripted(monkeypatch):
 
 def _decode(prompts: list[Prompt], name: str, fmt: str) -> dict:
     ps = PromptSet(name, f"{name}.jsonl", prompts, {}, format=fmt)
-    return _decode_set(DecodeConfig(checkpoint="x", confidence_threshold=None), ps, verifier=None,
+    return decode_set(DecodeConfig(checkpoint="x", confidence_threshold=None), ps, verifier=None,
                        drafter=SimpleNamespace(num_speculative_tokens=4), eos=set(), use_confidence=False,
                        progress=False)
 

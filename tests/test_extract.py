@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import LAYERS, run_cli
-from dspark.connector.zarr_store import ZarrStore, _RECORD
+from dspark.connector.zarr_store import INDEX_RECORD, ZarrStore
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
 from dspark.extract.transformers_engine import TransformersEngine
@@ -173,7 +173,7 @@ def test_a_folder_of_other_files_is_not_taken_over_as_a_store(verifier, prepared
 
 
 def _records(root) -> int:
-    return sum((p / "index.bin").stat().st_size // _RECORD.size
+    return sum((p / "index.bin").stat().st_size // INDEX_RECORD.size
                for p in (root / "segments").iterdir() if (p / "index.bin").exists()) if (root / "segments").exists() else 0
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import LAYERS, run_cli, train_cfg
-from dspark.connector.zarr_store import _RECORD, ZarrSink, ZarrStore, check_store
+from dspark.connector.zarr_store import INDEX_RECORD, ZarrSink, ZarrStore, check_store
 from dspark.errors import DamagedSample, StoreError, StoreMismatch
 from dspark.prepare import PreparedData
 from test_store import make_sample, manifest, write
@@ -77,12 +77,12 @@ def test_a_damaged_index_record_hides_nothing_after_it(tmp_path):
     write(tmp_path, range(40))
     seg = segment(tmp_path)
     index = tmp_path / "segments" / seg / "index.bin"
-    flip(index, (10 * _RECORD.size + 5) / index.stat().st_size)  # inside record 10
+    flip(index, (10 * INDEX_RECORD.size + 5) / index.stat().st_size)  # inside record 10
     with open(index, "ab") as f:
-        f.write(b"\0" * _RECORD.size + struct.pack("<qq", 99, 0))  # a crash artefact: zeroed record, torn record
+        f.write(b"\0" * INDEX_RECORD.size + struct.pack("<qq", 99, 0))  # a crash artefact: zeroed record, torn record
     store = ZarrStore(tmp_path)
     assert store.sample_ids == [i for i in range(40) if i != 10]  # 29 records after the damaged one still read
-    assert store.damaged_records == [(seg, 10 * _RECORD.size, 29)]
+    assert store.damaged_records == [(seg, 10 * INDEX_RECORD.size, 29)]
     assert all(store.damaged(i) is None for i in store.sample_ids)
     found = check_store(store)
     assert found.damaged_records == [(seg, 320, 29)] and found.problems == [
@@ -287,7 +287,7 @@ def test_verify_with_the_prepared_data_finds_missing_samples(store, prepared, tm
     root = tmp_path / "store"
     shutil.copytree(store, root)
     index = root / "segments" / segment(root) / "index.bin"
-    index.write_bytes(index.read_bytes()[: -2 * _RECORD.size])  # two samples never indexed
+    index.write_bytes(index.read_bytes()[: -2 * INDEX_RECORD.size])  # two samples never indexed
     total = len(PreparedData(prepared))
     without = run_cli("store", "verify", root, "--no-progress")
     assert "not compared with the prepared data" in without.stdout
@@ -309,9 +309,9 @@ def test_repair_re_extracts_exactly_what_is_damaged_or_missing(store, prepared, 
     damaged = {i for i in s.sample_ids if ZarrStore(root).damaged(i)}
     assert lost < damaged
     index = root / "segments" / seg / "index.bin"
-    records = index.stat().st_size // _RECORD.size
-    unindexed = {struct.unpack_from("<q", index.read_bytes(), (records // 2) * _RECORD.size)[0]}
-    flip(index, ((records // 2) * _RECORD.size + 3) / index.stat().st_size)  # a record mid-index
+    records = index.stat().st_size // INDEX_RECORD.size
+    unindexed = {struct.unpack_from("<q", index.read_bytes(), (records // 2) * INDEX_RECORD.size)[0]}
+    flip(index, ((records // 2) * INDEX_RECORD.size + 3) / index.stat().st_size)  # a record mid-index
     before = files(root)
     out = json.loads(run_cli("store", "repair", root, "--data", prepared, "--model", verifier,
                              "--batch-tokens", 1024, "--no-progress").stdout)
@@ -332,14 +332,16 @@ def test_repair_re_extracts_exactly_what_is_damaged_or_missing(store, prepared, 
 
 
 def test_extract_resume_re_extracts_lost_chunks_and_says_so(store, prepared, verifier, tmp_path):
-    from dspark.extract.runner import ExtractConfig, run_extract
+    from dspark.connector.config import SinkConfig
+    from dspark.extract.config import ExtractConfig
+    from dspark.extract.runner import run_extract
 
     root = tmp_path / "store"
     shutil.copytree(store, root)
     lost = in_chunk(ZarrStore(root), 1)
     chunk_file(root, segment(root), 1).unlink()
-    cfg = ExtractConfig(model=str(verifier), data=str(prepared), store=str(root), target_layer_ids=LAYERS,
-                        batch_tokens=1024)
+    cfg = ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(store=str(root)),
+                        target_layer_ids=LAYERS, batch_tokens=1024)
     out = run_extract(cfg, progress=False)
     assert out["repaired"] == len(lost) and out["extracted"] >= len(lost)
     assert check_store(ZarrStore(root), len(PreparedData(prepared))).problems == []
@@ -412,7 +414,9 @@ def other_verifier(verifier, tmp_path_factory) -> Path:
 
 def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_unless_accepted(
         store, prepared, verifier, other_verifier, tmp_path):
-    from dspark.extract.runner import ExtractConfig, run_extract
+    from dspark.connector.config import SinkConfig
+    from dspark.extract.config import ExtractConfig
+    from dspark.extract.runner import run_extract
     from dspark.train.loop import check_store as check_train_store
 
     root = tmp_path / "store"
@@ -428,7 +432,7 @@ def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_un
     assert f"store {root} was extracted with other verifier weights than {other_verifier}" in line
     assert "--accept-other-weights" in line
     with pytest.raises(StoreMismatch, match="other verifier weights"):
-        run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared), store=str(root),
+        run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared), sink=SinkConfig(store=str(root)),
                                   target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     with pytest.raises(StoreMismatch, match="other verifier weights"):
         check_train_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))

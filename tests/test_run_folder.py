@@ -17,6 +17,7 @@ from conftest import fit, run_cli, wait_for
 from dspark.errors import CheckpointError, InputError, TrainingDiverged
 from dspark.evaluate import run_eval
 from dspark.export import export
+from dspark.fsio import temp_path
 from dspark.train.checkpoint import RunDir
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
@@ -135,10 +136,20 @@ def test_a_save_never_replaces_an_existing_checkpoint(tmp_path):
     assert snapshot(run.root) == before
 
 
+def test_a_save_removes_the_temp_folders_a_killed_save_of_that_step_left(tmp_path):
+    run = RunDir(tmp_path / "run")
+    killed = [temp_path(run.root / "checkpoints" / "step-000001"), run.root / "checkpoints" / "step-000001.tmp"]
+    for folder in killed:  # fsio's name, and the one of dspark before it
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"half")
+    run.save(1, FakeModel(4), {"state": {"step": 1}}, best=False)
+    assert [p.name for p in (run.root / "checkpoints").iterdir()] == ["step-000001"]
+
+
 def test_a_checkpoint_still_being_written_is_refused_by_eval_and_export(reference_run, store, tmp_path):
     c, _ = reference_run
     run = copy_run(c, tmp_path / "r")
-    writing = run / "checkpoints" / "step-000040.tmp"  # a save in progress: its checksums come last
+    writing = temp_path(run / "checkpoints" / "step-000040")  # a save in progress: its checksums come last
     shutil.copytree(run / "latest", writing, ignore=shutil.ignore_patterns("checksums.json"))
     with pytest.raises(InputError, match="is a checkpoint still being written, or left by a save cut short"):
         export(str(writing), str(tmp_path / "export"), "Org/Tiny")

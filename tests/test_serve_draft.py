@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from dspark.config import build
+from dspark.settings import build
 from dspark.decode.config import PromptLookupConfig
 from dspark.errors import InputError
 from dspark.export import export

@@ -210,8 +210,9 @@ def test_an_import_interrupted_after_writing_leaves_no_folder_and_a_killed_ones_
 
     src = write_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"
-    killed = tmp_path / ".out.import-999999999"  # a temp folder whose process is gone
+    killed = tmp_path / ".out.999999999-0badcafe.tmp"  # a temp folder whose process is gone
     killed.mkdir()
+    (tmp_path / ".out.import-999999999").mkdir()  # one of dspark before fsio
 
     def interrupt(folder):
         assert (folder / "model.safetensors").exists()  # the weights are written, the record is not

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Literal
 
 from dspark.bench.client import BenchError, Result, Server
-from dspark.config import check_settings, setting
+from dspark.settings import check_settings, setting
 from dspark.errors import InputError
 
 WARMUP_TOKENS = 8  # one short request per server first: its one-time costs stay out of the figures

@@ -1,3 +1,4 @@
-"""Sinks and sources of per-sample hidden states; importing this registers every one of them."""
+"""Sinks and sources of per-sample hidden states (Zarr, Mooncake, live reads) and the vLLM connector.
 
-from dspark.connector import live, mooncake, zarr_store  # noqa: F401  (registration side effect)
+May import dspark's settings, errors, files and codecs, never the CLI: vLLM workers load it alone.
+"""

@@ -194,19 +194,46 @@ class PromptSet(Protocol):
 
 
 class Registry(dict):
-    """Name -> factory; registering a name twice is a bug, not an override."""
+    """Name -> factory; registering a name twice is a bug, not an override.
 
-    def __init__(self, kind: str, flag: str):
+    The backends register themselves when their module is imported, and a registry imports
+    them (`backends`: name -> module) at its first lookup, not before: reading a config or
+    loading our connector into vLLM does not pay for every backend's imports.
+    """
+
+    def __init__(self, kind: str, flag: str, backends: dict[str, str] | None = None):
         super().__init__()
-        self.kind, self.flag = kind, flag
+        self.kind, self.flag, self._backends = kind, flag, dict(backends or {})
+
+    def _load(self) -> None:
+        import importlib
+
+        while self._backends:
+            importlib.import_module(self._backends.popitem()[1])
 
     def register(self, name: str):
         def deco(factory: Callable):
-            if name in self:
+            if dict.__contains__(self, name):
                 raise ValueError(f"{self.kind} {name!r} is registered twice ({self[name]} and {factory})")
             self[name] = factory
             return factory
         return deco
+
+    def __getitem__(self, name: str):
+        self._load()
+        return super().__getitem__(name)
+
+    def __contains__(self, name) -> bool:
+        self._load()
+        return super().__contains__(name)
+
+    def __iter__(self):
+        self._load()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._load()
+        return super().__len__()
 
     def parse(self, spec: str) -> list[str]:
         names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -217,8 +244,8 @@ class Registry(dict):
         return names
 
 
-SINKS = Registry("sink", "--to")
-SOURCES = Registry("source", "--from")
+SINKS = Registry("sink", "--to", {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.mooncake"})
+SOURCES = Registry("source", "--from", {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.live"})
 register_sink, register_source = SINKS.register, SOURCES.register
 
 

@@ -1,34 +1,117 @@
-"""Where samples go: one config for every sink set, from a CLI or from vLLM's extra config alone.
+"""The connector's settings: where samples go (SinkConfig), the Mooncake client, and live reads.
 
-A vLLM worker process builds its sinks from `kv_connector_extra_config` (this
-dataclass as JSON) plus what vLLM already knows (model, dtype, layer ids), so it
-needs nothing else of dspark's pipeline.
+A vLLM worker process builds its sinks from `kv_connector_extra_config` (SinkConfig as JSON)
+plus what vLLM already knows (model, dtype, layer ids), so it needs nothing else of dspark's
+pipeline. Torch-free: the command line builds its options from these classes at start-up.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal
 
-from dspark.config import MooncakeConfig
+from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.errors import InputError
+from dspark.settings import setting
+
+
+@dataclass
+class MooncakeConfig:
+    """The seed's Mooncake flags (`--mooncake-*`)."""
+
+    master: str = setting("127.0.0.1:50051", "Mooncake master address.")
+    metadata_server: str = setting("P2PHANDSHAKE", "Transfer-engine metadata server.")
+    protocol: Literal["tcp", "rdma"] = setting("tcp", "Transport.")
+    device: str = setting("", "RDMA device name(s).")
+    global_segment_gib: float = setting(
+        1.0, "Memory this process contributes to the store (0 for a pure consumer).", ge=0)
+    local_buffer_gib: float = setting(0.5, "Registered staging memory.", gt=0)
+    writer_threads: int = setting(2, "Puts in flight (they overlap the next forward).", ge=1)
+    local_hostname: str = setting("127.0.0.1", "Address the other nodes reach this process at (its node's name or "
+                                               "IP when the master, extractor and trainer run on different nodes).")
+    put_timeout: float = setting(60.0, "How long a producer waits for space (back-pressure) before failing.",
+                                 cli=False, gt=0)
+    # Objects live in the memory their writers mount: a producer that mounted a segment
+    # waits this long at exit for consumers to read what it published.
+    linger_seconds: float = setting(
+        600.0, "A producer that mounts memory waits this long at exit for consumers.", ge=0)
+
+
+@dataclass
+class LiveConfig:
+    """How a live run (`--from mooncake`) gets the samples its cache lacks."""
+
+    endpoint: str | None = setting(
+        None, "Extraction server (vLLM + our connector, or `dspark serve`), e.g. http://host:8000/v1. "
+              "Without it a live run waits for a producer (`dspark extract --to mooncake`).",
+        flags=("--vllm-endpoint",))
+    on_missing: Literal["generate", "skip", "warn", "raise"] = setting(
+        "generate", "A sample not in the cache: fetch it live, or skip/warn/fail.")
+    on_generate: Literal["keep", "delete"] = setting("keep", "delete: free it from Mooncake once cached.")
+    request_timeout: float = setting(60.0, "Seconds per extraction request (a busy vLLM may take long).", gt=0)
+    # A hung server (stopped, wedged) still accepts connections, so only a liveness check tells it from a slow one.
+    stall_timeout: float = setting(
+        10.0, "Seconds a hung extraction server may hold up live reads: a reply slower than half of it makes the "
+              "server answer GET /health within the other half, else the live source is down at once.", gt=0)
+    max_retries: int = setting(3, "Retries of a failed request.", ge=0)
+    generation_validation_retries: int = setting(
+        2, "Requests again when the returned tokens or values are wrong.", ge=0)
+    max_consecutive_generation_failures: int = setting(
+        8, "Failed requests in a row to a server that answers its liveness check, then training stops with a "
+           "clear error (a server that does not answer is waited for: --max-down-seconds).", ge=1)
+    # Time, not a count: a dead server fails in milliseconds, and a vLLM restart takes minutes.
+    max_down_seconds: float = setting(
+        600.0, "How long the extraction server may stay down (unreachable or hung) before the run stops; "
+               "meanwhile training continues on cached samples, and the skipped ones are named in the run record.",
+        gt=0)
+    mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
+
+
+
+Codec = Literal[tuple(CODECS)]
+ACCEPT_OTHER_WEIGHTS = ("Write into a store extracted with a verifier of other weights (same config): its new "
+                        "segment records them, and `dspark store info` lists it.")
 
 
 @dataclass
 class SinkConfig:
-    to: str = "zarr"  # sink names, comma-separated: zarr, mooncake, zarr,mooncake
-    store: str | None = None  # Zarr store folder (needed by the zarr sink)
+    """Where extracted samples go: `dspark extract`'s and `dspark serve`'s sink flags, and vLLM's extra config."""
+
+    to: str = setting("zarr", "Sink(s): zarr, mooncake or zarr,mooncake (--hidden-states-backend is the seed's "
+                              "name).", flags=("--to", "--hidden-states-backend"))
+    store: str | None = setting(None, "Zarr store folder (created or resumed); default with `dspark extract`: "
+                                      "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
     # Pins the store identity to one prepared data set. Live requests carry their own in
     # kv_transfer_params, so a Mooncake-only server serves any data set of its verifier.
-    prepared_fingerprint: str | None = None
-    verifier_name: str | None = None  # recorded in the manifest (default: the model folder's name)
-    encoding: str = "raw"  # raw (lossless) | fp8_e4m3
-    codec: str | None = None  # a name in dspark.codec.CODECS for a new Zarr store (default: zstd)
-    chunk_tokens: int | None = None  # default: ~1 MiB chunks
-    writer_threads: int = 4  # the connector's writer pool: writes overlap the next forward
-    flush_interval_s: float = 0.5  # longest a finished sample waits in a partial Zarr chunk
-    rewrite: list[int] = field(default_factory=list)  # ids stored damaged: written again (a repair)
-    accept_other_weights: bool = False  # write into a store extracted with other verifier weights
-    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
+    prepared_fingerprint: str | None = setting(None, cli=False)
+    verifier_name: str | None = setting(None, "Name recorded in the manifest (default: folder name).")
+    encoding: Literal["raw", "fp8_e4m3"] = setting(
+        "raw", "Store fp8 e4m3 with a scale per token and layer (half of bf16).", flags=("--fp8",), switch="fp8_e4m3")
+    codec: Codec | None = setting(
+        None, f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
+              "stores larger: README, Performance). An existing store keeps its own.")
+    chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
+    writer_threads: int = setting(4, cli=False)  # the connector's writer pool: writes overlap the next forward
+    flush_interval_s: float = setting(0.5, cli=False)  # longest a finished sample waits in a partial Zarr chunk
+    rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
+    accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
+    mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
+
+    @property
+    def needs_store(self) -> bool:
+        """A Zarr sink writes into a store folder, bound to one prepared data set."""
+        return "zarr" in self.to.split(",")
+
+    def require_store(self, data: str | None) -> None:
+        """A Zarr sink needs its store folder and the prepared data it holds (the store's identity)."""
+        if self.needs_store and not (self.store and data):
+            raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
+                             "pass both, or use --to mooncake")
+
+    def for_data(self, prepared_fingerprint: str | None, rewrite=()) -> SinkConfig:
+        """These sinks bound to one prepared data set; the writer pool sized as the Mooncake puts in flight."""
+        return replace(self, prepared_fingerprint=prepared_fingerprint, writer_threads=self.mooncake.writer_threads,
+                       rewrite=sorted(rewrite))
 
     def to_extra_config(self) -> dict:
         return asdict(self)
@@ -42,3 +125,18 @@ class SinkConfig:
                              f"kv_connector_extra_config takes {sorted(known)}")
         mooncake = MooncakeConfig(**extra.get("mooncake", {}))
         return cls(**{**extra, "mooncake": mooncake})
+
+
+@dataclass
+class StorePath:
+    """A Zarr store folder, as `dspark store` commands take it."""
+
+    path: str = setting(help="The store folder.", positional=True)
+
+
+@dataclass
+class StoreCheck(StorePath):
+    """`dspark store verify`: the store, and optionally the prepared data it should hold all of."""
+
+    data: str | None = setting(
+        None, "The prepared folder the store was extracted from: also find the samples the store lacks.")

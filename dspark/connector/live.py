@@ -40,7 +40,7 @@ import urllib.request
 
 import numpy as np
 
-from dspark.config import LiveConfig
+from dspark.connector.config import LiveConfig
 from dspark.connector.base import PromptSet, Sample, Source, register_source
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake import CorruptObject, MooncakeError, MooncakeReader, ProducerFailed

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -18,7 +16,9 @@ from dspark.connector.encoding import bytes_per_token
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded
 from dspark.fingerprint import model_config_hash, tokenizer_hash, weights_hash
+from dspark.fsio import write_new
 from dspark.hub import model_name
+from dspark.verifier import VerifierInfo
 
 FORMAT_VERSION = 1
 MANIFEST_BYTES = 1 << 20  # the most a manifest.json may hold (one is ~1 KB): a bigger one is not read
@@ -126,7 +126,8 @@ class StoreManifest(BaseModel):
         root.mkdir(parents=True, exist_ok=True)
         path = root / "manifest.json"
         if not path.exists():
-            # Ignored: a concurrent creator's temp manifest, and the lost+found of a fresh filesystem.
+            # Ignored: a concurrent creator's temp manifest (fsio's `.manifest.json.*.tmp`, `.manifest.*.tmp` of
+            # dspark before it), and the lost+found of a fresh filesystem.
             # A creator links manifest.json before writing anything else, hence the second look.
             others = sorted(p.name for p in root.iterdir()
                             if not (p.name.startswith(".manifest.") and p.name.endswith(".tmp"))
@@ -136,14 +137,7 @@ class StoreManifest(BaseModel):
                                  f"{', '.join(others[:3])}{', ...' if len(others) > 3 else ''})",
                                  "use a new or empty folder for a new store, or the folder of an existing store")
             stamped = self.model_copy(update={"created_at": datetime.now(timezone.utc).isoformat()})
-            tmp = root / f".manifest.{uuid.uuid4().hex}.tmp"
-            tmp.write_text(stamped.model_dump_json(indent=2))
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
+            write_new(path, stamped.model_dump_json(indent=2))  # loses to a concurrent creator's: matched below
         existing = StoreManifest.load(root)
         diffs = existing.mismatches(self, accept_other_weights)
         if diffs:
@@ -182,16 +176,6 @@ def require_same_weights(manifest: StoreManifest, location: str, model: str | Pa
     return True
 
 
-def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
-    if bad or not layer_ids:
-        raise InputError(f"target layer id(s) {bad or layer_ids} out of range for a verifier with "
-                         f"{num_layers} layers", f"use ids in 0..{num_layers} (0 = embeddings)")
-    if len(set(layer_ids)) != len(layer_ids):
-        raise InputError(f"duplicate target layer ids {layer_ids}", "list each layer once")
-    return list(layer_ids)
-
-
 def default_store(model: str | Path, target_layer_ids: list[int], prepared_fingerprint: str) -> str:
     """Where a store lives when no --store/--cache is given: named by what makes its identity,
     so `dspark extract` and `dspark train` find the same folder without being told."""
@@ -213,25 +197,21 @@ def manifest_for_model(model: str | Path, target_layer_ids: list[int], prepared_
 
     Built from the model folder alone, so every producer (the transformers engine,
     `dspark serve`, a vLLM worker) and a trainer filling a cache agree on it byte for byte.
+    Its config.json is read as JSON, so `trust_remote_code` changes nothing here (kept for callers).
     """
-    from transformers import AutoConfig
-
     model = Path(model)
-    if not (model / "config.json").exists():
-        raise InputError(f"model folder {model} has no config.json", "pass a local Hugging Face model folder")
-    cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
-    cfg = getattr(cfg, "text_config", cfg)
-    layers = validate_layer_ids(target_layer_ids, cfg.num_hidden_layers)
-    dtype = dtype or str(getattr(cfg, "dtype", None) or "float32").removeprefix("torch.")
-    per_token = bytes_per_token(len(layers) + 1, cfg.hidden_size, encoding, dtype)
+    info = VerifierInfo.load(model)
+    layers = info.check_layer_ids(target_layer_ids)
+    dtype = dtype or info.dtype or "float32"
+    per_token = bytes_per_token(len(layers) + 1, info.hidden_size, encoding, dtype)
     return StoreManifest(
         verifier_name=verifier_name or model_name(model.resolve()),
-        verifier_config_hash=model_config_hash(model),
+        verifier_config_hash=model_config_hash(info),
         tokenizer_hash=tokenizer_hash(model),
         verifier_weights_hash=weights_hash(model),
         target_layer_ids=layers,
-        num_hidden_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
+        num_hidden_layers=info.num_hidden_layers,
+        hidden_size=info.hidden_size,
         dtype=dtype,
         encoding=encoding,
         codec=codec_named(codec),

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import xxhash  # ~10x faster than zlib.crc32: the checksum must not be the live path's bottleneck
 
-from dspark.config import MooncakeConfig
+from dspark.connector.config import MooncakeConfig
 from dspark.connector.base import Sample, Sink, register_sink
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.errors import DsparkError

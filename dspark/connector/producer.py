@@ -76,7 +76,7 @@ class Producer:
         if pinned and fingerprint != pinned:  # never mix two data sets in one store
             raise InputError(f"this extractor writes prepared data {pinned[:12]}, the request is for {fingerprint[:12]}",
                              "start the extractor with the trainer's --data")
-        if sample_id is None and "zarr" in self.config.to:
+        if sample_id is None and self.config.needs_store:
             raise InputError("kv_transfer_params.sample_id is required when writing to a Zarr store",
                              "send the prepared-data sample id")
         manifest = self.manifest(fingerprint)

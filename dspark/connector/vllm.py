@@ -39,7 +39,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connecto
     ExampleHiddenStatesConnector, extract_from_kv_cache)
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-import dspark.connector  # noqa: F401  (registers every sink)
 from dspark.connector.base import Sample, Sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.producer import Producer

@@ -13,7 +13,7 @@ Layout (one store = one verifier, one layer set, one prepared data set):
 Why it is safe without locks:
 - Each writer session owns a fresh segment, so no chunk is ever shared or
   rewritten: full chunks are written once, the last partial chunk at close.
-  Each chunk is written through a temp file and a rename, as zarr's local store does.
+  Each chunk is written through a temp file and a rename (fsio), as zarr's local store does.
 - Arrays are created with a fixed huge capacity; nothing resizes, so array
   metadata is never rewritten after creation.
 - A sample's index record is appended only after every chunk holding its
@@ -72,10 +72,11 @@ from dspark.connector.encoding import bytes_per_token, decode, encode, stored_nu
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest, weights_differ
 from dspark.errors import DamagedSample, InputError, StoreError
 from dspark.files import FileRefused, open_regular, read_bounded, read_upto
+from dspark.fsio import replacing, write_atomic
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
-_RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
+INDEX_RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc
 _BODY = struct.Struct("<qqqI")
 INDEX_BYTES = 1 << 30  # 32M records: more samples than one writer session ever stores
 META_BYTES = 1 << 20  # a zarr.json or a repair note; each is a few KB
@@ -105,18 +106,18 @@ def _read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple
         data = b""  # a segment whose writer has published nothing yet
     except FileRefused as e:
         raise StoreError(f"{path} {e}", _SEGMENT_FIX) from None
-    end = len(data) - len(data) % _RECORD.size
+    end = len(data) - len(data) % INDEX_RECORD.size
     out, bad = [], []
-    for off in range(0, end, _RECORD.size):
-        sid, start, length, crc, rcrc = _RECORD.unpack_from(data, off)
+    for off in range(0, end, INDEX_RECORD.size):
+        sid, start, length, crc, rcrc = INDEX_RECORD.unpack_from(data, off)
         if zlib.crc32(data[off : off + _BODY.size]) != rcrc:
             bad.append(off)
             continue
         out.append((sid, start, length, crc))
-    while bad and bad[-1] == end - _RECORD.size and not any(data[bad[-1] : end]):
+    while bad and bad[-1] == end - INDEX_RECORD.size and not any(data[bad[-1] : end]):
         end = bad.pop()  # a zeroed tail
     # every record before `end` is either valid or damaged: count the valid ones after each damaged one
-    return out, [(off, (end - off) // _RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
+    return out, [(off, (end - off) // INDEX_RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
 
 
 class _ChunkDamaged(Exception):
@@ -567,9 +568,8 @@ def note_repair(root: str | Path, records: Iterable[tuple[str, int]], samples: I
     folder = Path(root) / REPAIRS
     folder.mkdir(exist_ok=True)
     name = f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}.json"
-    tmp = folder / f".{name}.tmp"
-    tmp.write_text(json.dumps({"damaged_index_records": [list(r[:2]) for r in records], "samples": sorted(samples)}))
-    tmp.rename(folder / name)
+    write_atomic(folder / name,
+                 json.dumps({"damaged_index_records": [list(r[:2]) for r in records], "samples": sorted(samples)}))
 
 
 def repaired_records(root: str | Path) -> set[tuple[str, int]]:
@@ -791,14 +791,10 @@ class ZarrSink(Sink):
         names that codec: stock zarr-python reads it).
         """
         array_dir, ndim, codec = self._encoders[name]
-        path = _chunk_path(array_dir, c, ndim, ".")
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.partial")
-        try:
-            with open(tmp, "wb", buffering=0) as f:
-                f.write(codec.encode(data))
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        # Not fsynced (durable=False): at extraction rates an fsync per chunk would cap the writer, and a
+        # chunk a power cut loses is caught by its length or the sample checksum, then `store repair`ed.
+        with replacing(_chunk_path(array_dir, c, ndim, "."), durable=False) as f:
+            f.write(codec.encode(data))
 
     def _retire(self, _: Future | None = None) -> None:
         """Publish, in order, the samples of every chunk written so far; fail them all after a failed write."""

@@ -1,17 +1,19 @@
-"""Settings of real decoding (torch-free: the CLI builds its options from them).
+"""Settings of evaluation (torch-free: the CLI builds its options from them).
 
-`SamplingConfig` is how prompts are decoded and measured, shared by `eval --decode` (one
-checkpoint, `DecodeConfig`) and `compare` (several drafters side by side, `CompareConfig`).
+`EvalConfig` is `dspark eval`: teacher-forced acceptance on a store, and with `--decode` real
+decoding. `SamplingConfig` is how prompts are decoded and measured, shared by `eval --decode`
+(one checkpoint, `DecodeConfig`) and `compare` (several drafters side by side, `CompareConfig`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from dspark.config import check_settings, setting
+from dspark.settings import check_settings, setting
 from dspark.decode.prompts import parse_spec
 from dspark.errors import InputError
+from dspark.evaluate import ANCHOR_SEED, MAX_ANCHORS
 
 Layout = Literal["dspark", "dflash-v1"]
 DraftSample = Literal["probabilistic", "greedy"]
@@ -52,13 +54,24 @@ def _check_prompt_names(specs: list[str]) -> None:
 
 
 @dataclass
-class DecodeConfig(SamplingConfig):
+class DecodeOptions(SamplingConfig):
+    """How `eval --decode` decodes: on which prompts, in which layout, with which confidence cut."""
+
+    prompts: list[str] = setting(
+        factory=list, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, ShareGPT, HumanEval, "
+        "MT-bench question.jsonl, LongBench JSONL (any gzipped) or a prepared folder (default: the run's prepared "
+        "data).")
+    layout: Layout = setting("dspark", "dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: as "
+                                       "vLLM V1's `method: dflash` would serve this checkpoint.")
+    num_speculative_tokens: int | None = setting(None, "dflash-v1 only.", ge=1)
+    confidence_threshold: float | None = setting(
+        0.5, "Also decode with blocks cut where the confidence head's running survival falls below this.", gt=0)
+
+
+@dataclass
+class DecodeConfig(DecodeOptions):
     checkpoint: str = field(kw_only=True)
-    prompts: list[str] = field(default_factory=list)  # "name=path" or "path"; default: the run's prepared data
     verifier: str | None = None
-    layout: Layout = "dspark"
-    num_speculative_tokens: int | None = None
-    confidence_threshold: float | None = 0.5
 
     def validate(self) -> DecodeConfig:
         check_settings(self)
@@ -70,6 +83,38 @@ class DecodeConfig(SamplingConfig):
             raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
                              "drop it: the dspark layout drafts what the checkpoint was trained to draft")
         return self
+
+
+@dataclass
+class EvalConfig:
+    """`dspark eval`: per-position acceptance and tau of a checkpoint; `decode` adds real decoding."""
+
+    checkpoint: str = setting(help="A checkpoint folder, e.g. RUN/latest.")
+    store: str | None = setting(None, "The Zarr store to score on (default: the run's).")
+    data_path: str | None = setting(None, "Prepared data (default: the run's).")
+    verifier_name_or_path: str | None = setting(
+        None, "Verifier folder or cached hub id (default: the run's).")
+    split: Literal["val", "all"] = setting("val")
+    output: str | None = setting(None, "Folder for eval.json/.md/.png (default: CHECKPOINT/eval).")
+    device: str = setting("auto")
+    on_damaged: Literal["skip", "raise"] = setting(
+        "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
+    max_anchors: int = setting(
+        MAX_ANCHORS, "Blocks to score: a seeded uniform sample of N of the split's anchors; 0 scores every one. "
+                     "The report says how many of how many.", ge=0, metavar="N")
+    anchor_seed: int = setting(ANCHOR_SEED, "Which anchors are sampled: the same seed scores the same blocks, so "
+                                            "checkpoints of one run compare on them.")
+    decode: bool = setting(False, "Also decode for real: the drafter proposes, the verifier checks, on --prompts; "
+                                  "per-position acceptance per set, long-context buckets, speedup "
+                                  "(decode.json/.md/.png).", negatable=False)
+    decoding: DecodeOptions = setting(factory=DecodeOptions, prefixed=False)
+    no_confidence: bool = setting(False, "Skip the confidence-cut decode.", negatable=False)
+
+    def decode_config(self) -> DecodeConfig:
+        """The `--decode` settings, checked (before the teacher-forced pass, not after it)."""
+        threshold = None if self.no_confidence else self.decoding.confidence_threshold
+        return DecodeConfig(checkpoint=self.checkpoint, verifier=self.verifier_name_or_path,
+                            **{**asdict(self.decoding), "confidence_threshold": threshold}).validate()
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from dspark.decode.config import DraftSample
-from dspark.decode.drafter import Proposal, sample_draft
+from dspark.decode.proposal import Proposal, sample_draft
 
 
 def _crop(cache, keep: int) -> None:

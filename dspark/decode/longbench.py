@@ -16,15 +16,17 @@ tokens. `length` is the context's word count, as LongBench writes it.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from dspark.decode.prompts import longbench_prompt, render_prompt
 from dspark.errors import InputError
+from dspark.fsio import write_atomic
+from dspark.settings import setting
 
 # The longest context windows served today; a target past it would take minutes to build, and
 # no verifier could read the prompt.
@@ -34,6 +36,19 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 # A record's parts from its first n units: (context, input, answers).
 Build = Callable[[int], tuple[str, str, list[str]]]
+
+
+@dataclass
+class LongBenchConfig:
+    """`dspark longbench`: a LongBench-format prompt file built from local text."""
+
+    output: str = setting(help="The LongBench-format JSONL to write.")
+    model: str = setting(help="Verifier folder or cached hub id (its tokenizer sizes the contexts).")
+    texts: list[str] = setting(factory=list, flags=("--text",), help="Local text or chat JSONL to build contexts "
+                                                                    "from (default: the shipped demo chat).")
+    lengths: list[int] = setting(factory=lambda: [2048, 4096, 8192], help="Target prompt lengths in tokens.")
+    per_length: int = setting(2, "Records per length and sub-domain.", ge=1)
+    seed: int = setting(0)
 
 
 def generate(texts: list[str], tokenizer, output: Path, lengths: list[int], per_length: int, seed: int) -> dict:
@@ -60,9 +75,7 @@ def generate(texts: list[str], tokenizer, output: Path, lengths: list[int], per_
                 tokens.setdefault(target, []).append(n_tokens)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    os.replace(tmp, output)
+    write_atomic(output, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     return {"output": str(output), "records": len(records),
             "datasets": dict(Counter(r["dataset"] for r in records)),
             "prompt_tokens": {str(t): [min(v), max(v)] for t, v in tokens.items()}}

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dspark.decode.config import DraftSample
-from dspark.decode.drafter import Proposal
+from dspark.decode.proposal import Proposal
 
 
 def lookup(tokens, min_n: int, max_n: int, k: int, max_len: int | None = None) -> list[int]:

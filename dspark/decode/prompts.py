@@ -239,12 +239,12 @@ def _detect(path: Path) -> str:
 def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
     from jinja2 import TemplateError
 
-    from dspark.prepare import _SKIP_FIX, read_conversations
+    from dspark.prepare import SKIP_FIX, read_conversations
 
     try:
         data = read_conversations(path, require_assistant=False)
     except InputError as e:  # the eval command has no --skip-invalid-lines to offer
-        raise InputError(e.what, (e.fix or "").replace(f", {_SKIP_FIX}", "") or None) from None
+        raise InputError(e.what, (e.fix or "").replace(f", {SKIP_FIX}", "") or None) from None
     dropped.update(data.dropped)
     for messages in data.conversations:
         turns = prompt_turns(messages)

@@ -19,7 +19,7 @@ def _sampling(cfg: DecodeConfig) -> str:
     return f"temperature {cfg.temperature}, {cfg.draft_sample} drafts, {cfg.rejection} rejection sampling"
 
 
-def _decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_confidence: bool, progress: bool) -> dict:
+def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_confidence: bool, progress: bool) -> dict:
     """One prompt set: each prompt decoded speculatively, by the verifier alone, and with confidence cuts."""
     from tqdm import tqdm
 
@@ -104,7 +104,7 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
             speculative(verifier, drafter, list(ps.prompts[0].ids)[:64], 4)  # a short prompt is enough for that
             autoregressive(verifier, list(ps.prompts[0].ids)[:64], 4)
             warm = True
-        datasets.append(_decode_set(cfg, ps, verifier, drafter, eos, use_confidence, progress))
+        datasets.append(decode_set(cfg, ps, verifier, drafter, eos, use_confidence, progress))
 
     long_sets = [d for d in datasets if d["by_bucket"] or d["too_long"]]
     result = {"checkpoint": str(ckpt), "verifier": str(verifier_path), "layout": cfg.layout,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.errors import InputError
+from dspark.verifier import VerifierInfo
 from dspark.verifier_check import check_verifier_config
 
 
@@ -67,10 +67,10 @@ class Verifier:
 
         from dspark.extract.transformers_engine import capture_layers
 
-        if not (Path(path) / "config.json").exists():
-            raise InputError(f"verifier folder {path} has no config.json", "pass --verifier-name-or-path the "
-                             "local verifier folder the drafter was trained on")
-        check_verifier_config(path, dtype)
+        info = VerifierInfo.load(
+            path, noun="verifier folder",
+            fix="pass --verifier-name-or-path the local verifier folder the drafter was trained on")
+        check_verifier_config(info, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code).to(device).eval()
         _use_gqa_sdpa(self.model)

@@ -8,11 +8,13 @@
                    SinkConfig, and `sink` is only consulted for what is already stored
     close()        releases the engine; afterwards every sample it handed over is durable
 
-Engines register by name (`--engine transformers|vllm`).
+Engines are found by name (`--engine transformers|vllm`) in `ENGINES`, each one's module imported only when
+chosen.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -32,16 +34,23 @@ class Engine(ABC):
         """Nothing held beyond memory by default."""
 
 
+# name -> "module:Class", imported only when chosen: the vLLM engine's module loads for `--engine vllm` alone,
+# and the engines import Engine from here without this module importing them back (no cycle)
 ENGINES = Registry("engine", "--engine")
+ENGINES.register("transformers")("dspark.extract.transformers_engine:TransformersEngine")
+ENGINES.register("vllm")("dspark.extract.vllm_engine:VllmEngine")
+
+
+def engine_class(name: str) -> type[Engine]:
+    """The engine `--engine name` chooses, its module imported now; one line for a name no engine has."""
+    ENGINES.parse(name)
+    module, cls = ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
 
 
 def open_engine(name: str, *, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
                 dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
                 tensor_parallel_size: int = 1) -> Engine:
-    import dspark.extract.transformers_engine  # noqa: F401  (registration)
-    import dspark.extract.vllm_engine  # noqa: F401
-
-    ENGINES.parse(name)
-    return ENGINES[name](model=model, target_layer_ids=target_layer_ids, sinks=sinks, device=device, dtype=dtype,
-                         trust_remote_code=trust_remote_code, prefix_caching=prefix_caching,
-                         tensor_parallel_size=tensor_parallel_size)
+    return engine_class(name)(model=model, target_layer_ids=target_layer_ids, sinks=sinks, device=device,
+                              dtype=dtype, trust_remote_code=trust_remote_code, prefix_caching=prefix_caching,
+                              tensor_parallel_size=tensor_parallel_size)

@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import typing
+from dataclasses import replace
 from pathlib import Path
 
-from dspark.config import MooncakeConfig, cli_leaves
 from dspark.errors import DsparkError, InputError
+from dspark.extract.config import LaunchConfig
 from dspark.hub import local_model
+from dspark.settings import add_arguments, parsed_config
+from dspark.verifier import VerifierInfo
 from dspark.vllm_server import cpu_env, flag_name, health_url, offline_env, owned_flags, run_server
 
 CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
@@ -48,59 +50,30 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(message, f"see {self.prog} --help")
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Our flags, and vLLM's (everything after the first `--`, verbatim)."""
+def parse_args(argv: list[str]) -> tuple[LaunchConfig, list[str]]:
+    """Our settings (flags, or `--config FILE`), and vLLM's flags (everything after the first `--`, verbatim)."""
     ours, vllm_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="Verifier: a local folder or a hub id (its config.json is read from the Hugging "
-                   "Face cache, or vLLM's --download-dir; not cached: pass --num-hidden-layers).")
-    p.add_argument("--hidden-states-backend", default="mooncake", help="mooncake, zarr or zarr,mooncake.")
-    p.add_argument("--store", help="Zarr store folder (needed with the zarr backend).")
-    p.add_argument("--data", help="Prepared folder: pins the store identity (needed with zarr).")
-    p.add_argument("--verifier-name", help="Recorded in the manifest (default: the model folder's name).")
-    p.add_argument("--target-layer-ids", nargs="+", required=True, help="e.g. `24 48 72` or `24,48,72`.")
-    p.add_argument("--num-hidden-layers", type=int, help="Only when MODEL is neither a folder nor cached.")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--python", default=sys.executable, help="Interpreter with vLLM (default: this one).")
-    p.add_argument("--host", help="vLLM's --host, also accepted after `--` (default: vLLM's, every interface).")
-    p.add_argument("--port", type=int, help=f"vLLM's --port, also accepted after `--` (default {VLLM_DEFAULT_PORT}).")
-    p.add_argument("--health-timeout", type=float, default=1800.0, help="Seconds to wait for /health.")
-    p.add_argument("--print-only", action="store_true", help="Print the command, env and configs as JSON.")
-    # Unset Mooncake flags keep MooncakeConfig's defaults, so they are defined in one place.
-    mc = p.add_argument_group("Mooncake (unset: dspark's MooncakeConfig defaults)")
-    for _, flags, f, hint in cli_leaves(MooncakeConfig, prefix=("mooncake",)):
-        choices = typing.get_args(hint) if typing.get_origin(hint) is typing.Literal else None
-        mc.add_argument(*flags, type=None if choices else hint, choices=choices, default=argparse.SUPPRESS,
-                        help=f.metadata["help"])
-    args = p.parse_args(ours)
-    try:
-        args.target_layer_ids = [int(x) for word in args.target_layer_ids for x in word.split(",") if x]
-    except ValueError:
-        p.error(f"--target-layer-ids takes integers, got {' '.join(args.target_layer_ids)!r}")
-    return args, vllm_flags
+    add_arguments(p, LaunchConfig)
+    return parsed_config(LaunchConfig, p.parse_args(ours)), vllm_flags
 
 
 def num_hidden_layers(model: str, given: int | None, cache_dir: str | None = None, revision: str | None = None) -> int:
     """The verifier's layer count, from its config.json: in its folder, or in the Hugging Face cache
     (`cache_dir`: vLLM's --download-dir) as vLLM finds a hub id; else `given`."""
     try:
-        config = local_model(model, cache_dir, revision) / "config.json"
+        folder = local_model(model, cache_dir, revision)
     except InputError as e:
         if given is None:
             raise InputError(f"{e.what}, so its layer count is unknown",
                              "pass --num-hidden-layers N (num_hidden_layers from the verifier's config.json), or "
                              "put the model where vLLM finds it (HF_HOME, or --download-dir after `--`)") from None
         return given
-    if not config.is_file():
-        raise InputError(f"model folder {config.parent} has no config.json", "pass a Hugging Face model folder")
-    cfg = json.loads(config.read_text())
-    cfg = cfg.get("text_config", cfg)  # multimodal verifiers keep the language model's config there
-    n = cfg.get("num_hidden_layers")
-    if not isinstance(n, int):
-        raise InputError(f"{config} has no num_hidden_layers", "pass a causal LM's folder")
+    info = VerifierInfo.load(folder, fix="pass a Hugging Face model folder")
+    n = info.num_hidden_layers
     if given is not None and given != n:
-        raise InputError(f"--num-hidden-layers {given} but {config} says {n}", "drop --num-hidden-layers")
+        raise InputError(f"--num-hidden-layers {given} but {info.path} says {n}", "drop --num-hidden-layers")
     return n
 
 
@@ -126,49 +99,36 @@ def _fingerprint(data: str) -> str:
     return fingerprint
 
 
-def sink_config(args: argparse.Namespace) -> dict:
+def sink_config(cfg: LaunchConfig) -> dict:
     """kv_connector_extra_config: everything the connector in vLLM's processes needs."""
-    from dspark.connector.config import SinkConfig  # heavy (torch, zarr): after the flags are checked
-
-    sinks = args.hidden_states_backend.split(",")
-    if not set(sinks) <= {"zarr", "mooncake"}:
-        raise InputError(f"unknown --hidden-states-backend {args.hidden_states_backend!r}",
-                         "use mooncake, zarr or zarr,mooncake")
-    if "zarr" in sinks and not (args.store and args.data):
-        raise InputError("the zarr backend needs --store and --data",
-                         "pass --store PATH (the Zarr store) and --data PREPARED_DIR (its data set)")
-    mooncake = MooncakeConfig(**{k.removeprefix("mooncake_"): v for k, v in vars(args).items()
-                                 if k.startswith("mooncake_")})
-    return SinkConfig(
-        to=args.hidden_states_backend,
-        # Absolute: the configs --print-only shows stay right when run from another folder.
-        store=str(Path(args.store).resolve()) if args.store else None,
-        prepared_fingerprint=_fingerprint(args.data) if args.data else None,
-        verifier_name=args.verifier_name, writer_threads=mooncake.writer_threads, mooncake=mooncake,
-    ).to_extra_config()
+    # Absolute: the configs --print-only shows stay right when run from another folder.
+    store = str(Path(cfg.sink.store).resolve()) if cfg.sink.store else None
+    fingerprint = _fingerprint(cfg.data) if cfg.data else None
+    return replace(cfg.sink, store=store).for_data(fingerprint).to_extra_config()
 
 
-def build_plan(args: argparse.Namespace, vllm_flags: list[str]) -> dict:
+def build_plan(cfg: LaunchConfig, vllm_flags: list[str]) -> dict:
     """The server's argv, the environment it adds, the /health URL to wait for (None for a headless
     follower) and the two configs: what --print-only shows."""
     clash = owned_flags(vllm_flags, OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what the launcher sets",
                          "pass MODEL before `--`; the launcher builds the two configs itself")
-    host, port, ours = _address(args, vllm_flags)
+    host, port, ours = _address(cfg, vllm_flags)
     revision = vllm_flag(vllm_flags, "--revision")
-    layers = aux_layer_ids(args.target_layer_ids, num_hidden_layers(
-        args.model, args.num_hidden_layers, vllm_flag(vllm_flags, "--download-dir"), revision))
+    layers = aux_layer_ids(cfg.target_layer_ids, num_hidden_layers(
+        cfg.model, cfg.num_hidden_layers, vllm_flag(vllm_flags, "--download-dir"), revision))
     spec = speculative_config(layers)
-    kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(args)}
+    kv = {**CONNECTOR, "kv_connector_extra_config": sink_config(cfg)}
     # A --headless follower (rank > 0 of a multi-node server) must go through `vllm serve`, and
     # serves no API: nothing to wait for.
     headless = "--headless" in vllm_flags
-    server = (["dspark.extract.vllm_cli", "serve", args.model] if headless
-              else ["vllm.entrypoints.openai.api_server", "--model", args.model])
-    command = [args.python, "-m", *server, *ours, *(["--trust-remote-code"] if args.trust_remote_code else []),
+    server = (["dspark.extract.vllm_cli", "serve", cfg.model] if headless
+              else ["vllm.entrypoints.openai.api_server", "--model", cfg.model])
+    remote = ["--trust-remote-code"] if cfg.trust_remote_code else []
+    command = [cfg.python or sys.executable, "-m", *server, *ours, *remote,
                "--speculative-config", json.dumps(spec), "--kv-transfer-config", json.dumps(kv), *vllm_flags]
-    return {"command": command, "env": {**cpu_env(), **offline_env(args.model, revision)},
+    return {"command": command, "env": {**cpu_env(), **offline_env(cfg.model, revision)},
             "health": None if headless else health_url(host, port),
             "speculative_config": spec, "kv_transfer_config": kv}
 
@@ -183,21 +143,21 @@ def vllm_flag(vllm_flags: list[str], name: str) -> str | None:
     return value
 
 
-def _address(args: argparse.Namespace, vllm_flags: list[str]) -> tuple[str | None, int, list[str]]:
+def _address(cfg: LaunchConfig, vllm_flags: list[str]) -> tuple[str | None, int, list[str]]:
     """Where vLLM will listen (host None: vLLM's default, every interface) and the flags the launcher
     adds for it: --host/--port before `--` are passed on unless vLLM's own (after `--`) give them."""
     host, port, ours = vllm_flag(vllm_flags, "--host"), vllm_flag(vllm_flags, "--port"), []
-    for name, mine, theirs in (("--host", args.host, host), ("--port", args.port, port)):
+    for name, mine, theirs in (("--host", cfg.host, host), ("--port", cfg.port, port)):
         if mine is not None and theirs is not None and str(mine) != theirs:
             raise InputError(f"{name} {mine} before `--` and {name} {theirs} after it disagree",
                              f"give {name} once (after `--`, where vLLM reads it)")
         if mine is not None and theirs is None:
             ours += [name, str(mine)]
     try:
-        port_number = int(port if port is not None else args.port if args.port is not None else VLLM_DEFAULT_PORT)
+        port_number = int(port if port is not None else cfg.port if cfg.port is not None else VLLM_DEFAULT_PORT)
     except ValueError:
         raise InputError(f"--port {port!r} after `--` is not a port number", "pass --port N (e.g. 8000)") from None
-    return host if host is not None else args.host, port_number, ours
+    return host if host is not None else cfg.host, port_number, ours
 
 
 def speculative_config(layer_ids: list[int]) -> dict:
@@ -208,12 +168,12 @@ def speculative_config(layer_ids: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        args, vllm_flags = parse_args(sys.argv[1:] if argv is None else argv)
-        plan = build_plan(args, vllm_flags)
-        if args.print_only:
+        cfg, vllm_flags = parse_args(sys.argv[1:] if argv is None else argv)
+        plan = build_plan(cfg, vllm_flags)
+        if cfg.print_only:
             print(json.dumps(plan, indent=2))
             return
-        sys.exit(run_server(plan["command"], plan["env"], plan["health"], args.health_timeout))
+        sys.exit(run_server(plan["command"], plan["env"], plan["health"], cfg.health_timeout))
     except DsparkError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)

@@ -15,49 +15,18 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 from dspark.connector.base import open_sink
-from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import (StoreManifest, codec_named, default_store, manifest_for_model,
                                       require_same_weights)
-from dspark.config import MooncakeConfig
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
+from dspark.connector.config import SinkConfig
+from dspark.extract.config import ExtractConfig
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
-
-
-@dataclass
-class ExtractConfig:
-    model: str
-    data: str
-    store: str | None  # None with --to zarr: default_store(...)
-    target_layer_ids: list[int]
-    to: str = "zarr"
-    engine: str = "transformers"  # transformers (any device) | vllm (vllm.LLM + our KV connector)
-    device: str = "cpu"
-    dtype: str | None = None
-    batch_tokens: int = 8192
-    max_batch_size: int = 64
-    encoding: str = "raw"
-    codec: str | None = None  # a name in dspark.codec.CODECS; None: the store's, or the default for a new store
-    chunk_tokens: int | None = None
-    shard: str = "0/1"
-    verifier_name: str | None = None
-    trust_remote_code: bool = False
-    prefix_caching: bool = True  # vllm engine: shared prompt prefixes are computed once
-    tensor_parallel_size: int = 1  # vllm engine: devices per extraction process
-    accept_other_weights: bool = False  # extend a store extracted with other verifier weights (its segment says so)
-    mooncake: MooncakeConfig = field(default_factory=MooncakeConfig)
-
-    def sinks(self, prepared_fingerprint: str) -> SinkConfig:
-        return SinkConfig(to=self.to, store=self.store, prepared_fingerprint=prepared_fingerprint,
-                          verifier_name=self.verifier_name, encoding=self.encoding, codec=self.codec,
-                          chunk_tokens=self.chunk_tokens,
-                          writer_threads=self.mooncake.writer_threads, accept_other_weights=self.accept_other_weights,
-                          mooncake=self.mooncake)
 
 
 def plan_batches(data: PreparedData, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -84,18 +53,18 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def _existing_store(store: str | None, to: str) -> bool:
-    return bool(store and "zarr" in to and (Path(store) / "manifest.json").exists())
+def _existing_store(out: SinkConfig) -> bool:
+    return bool(out.store and out.needs_store and (Path(out.store) / "manifest.json").exists())
 
 
-def _stored_damage(store: str | None, to: str) -> tuple[dict[int, str], int]:
+def _stored_damage(out: SinkConfig) -> tuple[dict[int, str], int]:
     """(stored samples whose chunk files are missing or truncated, damaged index records) of an existing store."""
     from dspark.connector.zarr_store import ZarrStore, repaired_records
 
-    if not _existing_store(store, to):
+    if not _existing_store(out):
         return {}, 0
-    existing = ZarrStore(store)
-    return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(store))
+    existing = ZarrStore(out.store)
+    return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(out.store))
 
 
 def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, str] | None = None) -> dict:
@@ -107,39 +76,41 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
 
     shard_i, shard_n = parse_shard(cfg.shard)
     data = PreparedData(cfg.data)
-    if cfg.store is None and "zarr" in cfg.to:
-        cfg = replace(cfg, store=default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
+    out = cfg.sink
+    if out.store is None and out.needs_store:
+        out = replace(out, store=default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
-    existing = StoreManifest.load(Path(cfg.store)) if _existing_store(cfg.store, cfg.to) else None
-    if existing and cfg.codec and existing.codec != codec_named(cfg.codec):
-        raise InputError(f"store {cfg.store} was created with codec {existing.codec.name}, not {cfg.codec}: a "
+    existing = StoreManifest.load(Path(out.store)) if _existing_store(out) else None
+    if existing and out.codec and existing.codec != codec_named(out.codec):
+        raise InputError(f"store {out.store} was created with codec {existing.codec.name}, not {out.codec}: a "
                          "store keeps the codec it was created with",
-                         f"drop --codec to extend it, or pass a new --store for {cfg.codec}")
+                         f"drop --codec to extend it, or pass a new --store for {out.codec}")
     if existing and require_same_weights(  # before the model loads; the sink checks again
-            existing, cfg.store, cfg.model, cfg.accept_other_weights):
-        print(f"store {cfg.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
+            existing, out.store, cfg.model, out.accept_other_weights):
+        print(f"store {out.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
               "the new segment records them (`dspark store info` lists it)", file=sys.stderr)
-    batches = [b for j, b in enumerate(plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)) if j % shard_n == shard_i]
-    found, bad_records = _stored_damage(cfg.store, cfg.to)
+    planned = plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)
+    batches = [b for j, b in enumerate(planned) if j % shard_n == shard_i]
+    found, bad_records = _stored_damage(out)
     mine = {i for b in batches for i in b}
     rewrite = {i: why for i, why in (found if rewrite is None else rewrite).items() if i in mine}
     if rewrite:
-        print(f"store {cfg.store}: {len(rewrite)} stored samples are damaged (first: sample {min(rewrite)}, "
+        print(f"store {out.store}: {len(rewrite)} stored samples are damaged (first: sample {min(rewrite)}, "
               f"{rewrite[min(rewrite)]}); extracting them again", file=sys.stderr)
     if bad_records:
-        print(f"store {cfg.store}: {bad_records} damaged index records; the samples they held are missing and "
+        print(f"store {out.store}: {bad_records} damaged index records; the samples they held are missing and "
               f"extracted again", file=sys.stderr)
-    sinks = replace(cfg.sinks(data.fingerprint), rewrite=sorted(rewrite))
+    sinks = out.for_data(data.fingerprint, rewrite)
     engine = open_engine(cfg.engine, model=cfg.model, target_layer_ids=cfg.target_layer_ids, sinks=sinks,
                          device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                          prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
-    manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, cfg.encoding, cfg.chunk_tokens,
-                                  cfg.verifier_name, engine.dtype_name, cfg.trust_remote_code, cfg.codec)
+    manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, out.encoding, out.chunk_tokens,
+                                  out.verifier_name, engine.dtype_name, cfg.trust_remote_code, out.codec)
 
-    sink = open_sink(cfg.to, store=cfg.store, manifest=manifest, mooncake=cfg.mooncake, rewrite=rewrite,
-                     accept_other_weights=cfg.accept_other_weights)
+    sink = open_sink(out.to, store=out.store, manifest=manifest, mooncake=out.mooncake, rewrite=rewrite,
+                     accept_other_weights=out.accept_other_weights)
     tokens, t0 = 0, time.perf_counter()
     try:
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
@@ -159,10 +130,10 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
         finally:
             sink.close()
     elapsed = time.perf_counter() - t0
-    if (engine.writes_elsewhere or rewrite) and cfg.store and "zarr" in cfg.to:  # check, never assume
+    if (engine.writes_elsewhere or rewrite) and out.store and out.needs_store:  # check, never assume
         from dspark.connector.zarr_store import ZarrStore
 
-        stored = ZarrStore(cfg.store)
+        stored = ZarrStore(out.store)
         missing = [i for b in todo for i in b if i not in stored]
         if missing:
             raise StoreError(f"{len(missing)} of {total} samples were not stored (first: {missing[:5]})",
@@ -172,7 +143,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
         if still:
             raise StoreError(f"{len(still)} damaged samples are still damaged after extracting them again "
                              f"(first: {still[:5]})", "see the log above for the failed writes, then rerun")
-    return {"store": cfg.store, "sinks": cfg.to, "engine": cfg.engine, "extracted": total,
+    return {"store": out.store, "sinks": out.to, "engine": cfg.engine, "extracted": total,
             "already_present": done_before, "repaired": len(rewrite), "tokens": tokens,
             "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / max(elapsed, 1e-9))}
 
@@ -202,10 +173,11 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
            "damaged_index_records": len(found.damaged_records), "re_extracted": todo[:100]}
     if todo:
         m = s.manifest
-        cfg = ExtractConfig(model=model, data=data, store=store, target_layer_ids=m.target_layer_ids, device=device,
-                            dtype=m.dtype, batch_tokens=batch_tokens, max_batch_size=max_batch_size,
-                            encoding=m.encoding, chunk_tokens=m.chunk_tokens, verifier_name=m.verifier_name,
-                            trust_remote_code=trust_remote_code, accept_other_weights=accept_other_weights)
+        sinks = SinkConfig(store=store, encoding=m.encoding, chunk_tokens=m.chunk_tokens,
+                           verifier_name=m.verifier_name, accept_other_weights=accept_other_weights)
+        cfg = ExtractConfig(model=model, data=data, target_layer_ids=m.target_layer_ids, device=device, dtype=m.dtype,
+                            batch_tokens=batch_tokens, max_batch_size=max_batch_size,
+                            trust_remote_code=trust_remote_code, sink=sinks)
         out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
     after = check_store(ZarrStore(store), len(prepared), ids=todo)
     if after.damaged or after.missing:

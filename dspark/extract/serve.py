@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import torch
 
-from dspark.config import ServeLimits
+from dspark.extract.config import ServeLimits
 from dspark.connector.base import Sample
 from dspark.connector.producer import Producer
 from dspark.errors import DsparkError, InputError

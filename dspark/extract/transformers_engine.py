@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample, Sink
-from dspark.connector.manifest import validate_layer_ids
 from dspark.errors import InputError
-from dspark.extract.base import ENGINES, Engine
+from dspark.extract.base import Engine
+from dspark.verifier import VerifierInfo
 from dspark.verifier_check import check_verifier_config
 
 
-def _decoder(model):
+def decoder_stack(model):
     inner = getattr(model, "model", model)
     if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
         raise InputError(f"{type(model).__name__} has no .model.layers/.embed_tokens",
@@ -37,36 +37,28 @@ def capture_layers(model, layer_ids: list[int]) -> dict[int, torch.Tensor]:
             captured[k] = output[0] if isinstance(output, tuple) else output
         return fn
 
-    dec = _decoder(model)
+    dec = decoder_stack(model)
     for k in sorted(set(layer_ids)):
         (dec.embed_tokens if k == 0 else dec.layers[k - 1]).register_forward_hook(hook(k))
     return captured
 
 
-@ENGINES.register("transformers")
 class TransformersEngine(Engine):
     def __init__(self, model: str | Path, target_layer_ids: list[int], device: str = "cpu",
                  dtype: str | None = None, trust_remote_code: bool = False, tensor_parallel_size: int = 1, **_):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
         if tensor_parallel_size != 1:
             raise InputError(f"--tensor-parallel-size {tensor_parallel_size} needs the vllm engine",
                              "pass --engine vllm, or run one process per device with --shard INDEX/COUNT")
         path = Path(model)
-        if not (path / "config.json").exists():
-            raise InputError(f"model folder {path} has no config.json",
-                             "pass --model a local Hugging Face model folder")
-        check_verifier_config(path, dtype)
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        config = getattr(config, "text_config", config)
-        self.num_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.target_layer_ids = validate_layer_ids(target_layer_ids, self.num_layers)
+        info = VerifierInfo.load(path, fix="pass --model a local Hugging Face model folder")
+        check_verifier_config(info, dtype)
+        self.num_layers = info.num_hidden_layers
+        self.hidden_size = info.hidden_size
+        self.target_layer_ids = info.check_layer_ids(target_layer_ids)
         self.captured_layer_ids = [*self.target_layer_ids, self.num_layers]
-        torch_dtype = getattr(torch, dtype) if dtype else (getattr(config, "dtype", None) or torch.float32)
-        if isinstance(torch_dtype, str):
-            torch_dtype = getattr(torch, torch_dtype)
-        self.dtype = torch_dtype
+        self.dtype = torch_dtype = getattr(torch, dtype or info.dtype or "float32")
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(
             path, dtype=torch_dtype, trust_remote_code=trust_remote_code).to(self.device).eval()
@@ -88,7 +80,7 @@ class TransformersEngine(Engine):
             attn[i, : len(ids)] = 1
         self._captured.clear()
         # Run the decoder stack only: the lm_head over the full vocab is wasted work here.
-        _decoder(self.model)(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
+        decoder_stack(self.model)(input_ids=input_ids.to(self.device), attention_mask=attn.to(self.device),
                              use_cache=False)
         stacked = torch.stack([self._captured[k] for k in self.captured_layer_ids], dim=2)  # [B, T, L+1, H]
         stacked = stacked.to("cpu", self.dtype)

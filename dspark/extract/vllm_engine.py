@@ -17,13 +17,12 @@ import torch
 from dspark.connector.base import Sink
 from dspark.connector.config import SinkConfig
 from dspark.errors import InputError
-from dspark.extract.base import ENGINES, Engine
+from dspark.extract.base import Engine
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
 from dspark.vllm_server import cpu_env
 from dspark.verifier_check import check_verifier_config
 
 
-@ENGINES.register("vllm")
 class VllmEngine(Engine):
     writes_elsewhere = True  # our KV connector writes, inside vLLM's worker
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark.config import setting
+from dspark.settings import setting
 from dspark.errors import InputError
 
 TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from dspark.errors import InputError
-from dspark.files import write_atomic
+from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.tracking.backends import BACKENDS, Backend
 from dspark.tracking.config import TrackingConfig

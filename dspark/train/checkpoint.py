@@ -10,10 +10,11 @@
 One process writes a run folder: `train` holds an OS lock on RUN/.lock from start to end, and a second
 one is refused in one line naming the holder. The kernel drops a lock when its holder exits, kill -9
 included, so a lock is never stale. Readers (`eval`, `export`, `decode`) take no lock and need none: a
-checkpoint is written as step-N.tmp and renamed into place whole, a run never rewrites one, and a
-`.tmp` folder is refused. `latest` is where the last save pointed, not the truth: a rerun resumes from
-the newest checkpoint of the run, so a lost or dangling `latest` (or a kill between a checkpoint's
-rename and the move of `latest`) neither restarts the run over its checkpoints nor skips one.
+checkpoint is written as .step-N.<pid>-<random>.tmp (dspark.fsio) and renamed into place whole, a run
+never rewrites one, and a `.tmp` folder is refused. `latest` is where the last save pointed, not the
+truth: a rerun resumes from the newest checkpoint of the run, so a lost or dangling `latest` (or a kill
+between a checkpoint's rename and the move of `latest`) neither restarts the run over its checkpoints
+nor skips one.
 
 checksums.json holds each file's size and xxh3-128, and every load checks them: a truncated or edited
 file is one line, not a traceback or a silently different model. They catch damage, not forgery
@@ -45,7 +46,8 @@ import numpy as np
 import torch
 
 from dspark.errors import CheckpointError, InputError
-from dspark.files import FileRefused, file_xxh3, read_bounded, write_atomic
+from dspark.files import FileRefused, file_xxh3, read_bounded
+from dspark.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
 from dspark.jsonio import dump_json
 
 
@@ -300,10 +302,7 @@ class RunDir:
         write_atomic(self.config_path, dump_json(record, indent=2, default=str))
 
     def _point(self, name: str, target: Path) -> None:
-        tmp = self.root / f".{name}.tmp"
-        tmp.unlink(missing_ok=True)
-        os.symlink(os.path.relpath(target, self.root), tmp)
-        os.replace(tmp, self.root / name)
+        replace_symlink(self.root / name, os.path.relpath(target, self.root))
 
     def save(self, step: int, model, trainer_state: dict, best: bool) -> Path:
         """Write the checkpoint to a temp folder, rename it in place, then move `latest` (and `best`).
@@ -312,24 +311,23 @@ class RunDir:
         checkpoint is never replaced: readers rely on it, and a resume continues past the newest one.
         """
         final = self.root / "checkpoints" / f"step-{step:06d}"
-        tmp = final.with_name(final.name + ".tmp")
         if final.exists():
             raise CheckpointError(f"checkpoint {final} already exists, and a run never overwrites its checkpoints",
                                   "rerun the same command: training resumes from the newest checkpoint of the run")
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            model.save_pretrained(tmp)
-            with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: ENOSPC stays visible as the cause
-                torch.save(trainer_state, f)
-            write_checksums(tmp)
-            os.replace(tmp, final)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(final, sole_writer=True)  # of a save killed mid-way; the run lock makes us the writer
+            shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)  # one of dspark before fsio
+            with publishing(final) as tmp:  # a failed write removes the temp folder
+                model.save_pretrained(tmp)
+                with open(tmp / "trainer_state.pt", "wb") as f:  # a file object: ENOSPC stays visible as the cause
+                    torch.save(trainer_state, f)
+                write_checksums(tmp)
             self._point("latest", final)
             if best:
                 self._point("best", final)
         except Exception as e:  # torch, safetensors and the OS each word a failed write differently
             reason, full = _write_failure(e)
-            shutil.rmtree(tmp, ignore_errors=True)
             prev = self.checkpoint("latest")
             resume = (f"training resumes from the last checkpoint {prev}" if prev
                       else "training starts over (no checkpoint yet)")

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
-from dspark.config import LiveConfig, build, check_settings, setting
+from dspark.connector.config import LiveConfig
+from dspark.settings import build, check_settings, setting
 from dspark.errors import InputError
 from dspark.tracking.config import TrackingConfig
-
-# Keys that may change when resuming or replaying without changing the result.
-# The source too: a live run's cache holds exactly the samples it trained on.
-# So is the damage policy: on an intact store it never acts, and what it skips is named.
-RESULT_NEUTRAL = {"num_workers", "prefetch_factor", "max_steps", "save_path", "device", "source", "live",
-                  "on_damaged", "keep_in_memory_gib", "tracking"}
 
 # Settings only some drafter kinds read (the others ignore them, and a model card leaves them out).
 KIND_ONLY = {
@@ -35,15 +30,20 @@ def unread_settings(kind: str) -> set[str]:
 
 @dataclass
 class TrainConfig:
-    """`dspark train`'s settings (the seed's `train.py` flags, under their names): each one's only definition."""
+    """`dspark train`'s settings (the seed's `train.py` flags, under their names): each one's only definition.
+
+    `result_neutral` marks what may change on a resume or replay without changing the result: how and where
+    it runs, its source (a live run's cache holds exactly the samples it trained on) and the damage policy
+    (on an intact store it never acts, and what it skips is named).
+    """
 
     data_path: str = setting(help="The prepared folder the store was extracted from.")
     verifier_name_or_path: str = setting(help="The verifier: a local folder, or a hub id in the Hugging Face cache.")
-    save_path: str = setting(help="Run folder (resumed if it exists).")
+    save_path: str = setting(help="Run folder (resumed if it exists).", result_neutral=True)
     target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.")
     source: Literal["zarr", "mooncake"] = setting(
         "zarr", "Where hidden states come from (--hidden-states-backend is the seed's name).",
-        flags=("--from", "--hidden-states-backend"))
+        flags=("--from", "--hidden-states-backend"), result_neutral=True)
     store: str | None = setting(
         None, "Zarr store (--from zarr) or the local cache a live run fills (--from mooncake); default: "
               "cache/stores/<verifier>-L<layers>-<data>, where `dspark extract` puts it.", flags=("--store", "--cache"))
@@ -94,19 +94,23 @@ class TrainConfig:
     scheduler_type: Literal["cosine", "linear", "none"] = setting("cosine")
     scheduler_warmup_ratio: float = setting(0.03, "Fraction of the steps spent warming up.", ge=0)
     max_grad_norm: float = setting(1.0, gt=0)
-    num_workers: int = setting(2, "Reader threads.", ge=1)
-    prefetch_factor: int = setting(4, "Batches read ahead.", ge=1)
+    num_workers: int = setting(2, "Reader threads.", ge=1, result_neutral=True)
+    prefetch_factor: int = setting(4, "Batches read ahead.", ge=1, result_neutral=True)
     keep_in_memory_gib: float = setting(
         2.0, "Keep decoded samples in memory when all of a Zarr store's fit in this many GiB: epochs after the "
-             "first and every validation then read nothing (0: always read from the store).", ge=0)
+             "first and every validation then read nothing (0: always read from the store).", ge=0,
+        result_neutral=True)
     log_freq: int = setting(10, "Steps per logged window.", ge=1)
     seed: int = setting(0)
-    device: str = setting("auto", "auto, cpu or cuda.")
-    max_steps: int | None = setting(None, "Stop after this many steps (resumable).", ge=1)
+    device: str = setting("auto", "auto, cpu or cuda.", result_neutral=True)
+    max_steps: int | None = setting(None, "Stop after this many steps (resumable).", ge=1, result_neutral=True)
     on_damaged: Literal["skip", "raise"] = setting(
-        "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
-    live: LiveConfig = setting(factory=LiveConfig, prefixed=False)  # --from mooncake; the seed's flag names
-    tracking: TrackingConfig = setting(factory=TrackingConfig, prefixed=False)  # --logger, as speculators names it
+        "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.",
+        result_neutral=True)
+    # --from mooncake, under the seed's flag names
+    live: LiveConfig = setting(factory=LiveConfig, prefixed=False, result_neutral=True)
+    # --logger, as speculators names it
+    tracking: TrackingConfig = setting(factory=TrackingConfig, prefixed=False, result_neutral=True)
 
     def __post_init__(self):
         if self.sample_from_anchor is None:  # resolved at once: a run's record holds the layout it trained
@@ -164,5 +168,21 @@ class TrainConfig:
         return cls.from_dict(json.loads(path.read_text())["train"], f"{path} (train)")
 
     def differences(self, other: TrainConfig) -> list[str]:
+        """The settings, other than result-neutral ones, in which `other` differs."""
         a, b = self.to_dict(), other.to_dict()
         return sorted(k for k in a if k not in RESULT_NEUTRAL and a[k] != b[k])
+
+
+# Top-level keys of `TrainConfig.to_dict()` a resume or replay may change.
+RESULT_NEUTRAL = {f.name for f in fields(TrainConfig) if f.metadata["result_neutral"]}
+
+
+@dataclass
+class ReplayConfig:
+    """`dspark replay`: retrain a finished run from its record and compare every logged metric."""
+
+    run: str = setting(help="The run folder.", positional=True)
+    store: str | None = setting(None, "The run's store, if it moved.")
+    tolerance: float = setting(0.0, "Relative/absolute (GPU runs).", ge=0)
+    logger: str = setting("jsonl", "Trackers the replay logs to, as `train --logger` (default: none, only its "
+                                   "metrics.jsonl).")

@@ -36,6 +36,7 @@ from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
 from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs, model_inputs
+from dspark.verifier import VerifierInfo
 
 
 @dataclass
@@ -75,8 +76,6 @@ def seed_everything(seed: int) -> None:
 
 def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
     """The training data source named by --from: a Zarr store, or the live tiered source."""
-    import dspark.connector  # noqa: F401  (registers every source)
-
     SOURCES.parse(cfg.source)
     manifest = manifest_for_model(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared.fingerprint,
                                   trust_remote_code=cfg.trust_remote_code) if cfg.source != "zarr" else None
@@ -85,14 +84,11 @@ def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
 
 def check_store(source, cfg: TrainConfig) -> None:
     """The store must hold this verifier's states at these layers."""
-    from transformers import AutoConfig
-
     m = source.manifest
-    vcfg = AutoConfig.from_pretrained(cfg.verifier_name_or_path, trust_remote_code=cfg.trust_remote_code)
-    vcfg = getattr(vcfg, "text_config", vcfg)
+    hidden_size = VerifierInfo.load(cfg.verifier_name_or_path).hidden_size
     problems = []
-    if m.hidden_size != vcfg.hidden_size:
-        problems.append(f"hidden size: store {m.hidden_size}, verifier {vcfg.hidden_size}")
+    if m.hidden_size != hidden_size:
+        problems.append(f"hidden size: store {m.hidden_size}, verifier {hidden_size}")
     if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
         problems.append(f"layer ids: store {m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} "
                         "(the store must hold each of them)")
@@ -106,16 +102,12 @@ def check_store(source, cfg: TrainConfig) -> None:
               "training on it anyway (--accept-other-weights, recorded in the run's config)", file=sys.stderr)
 
 
-def cfg_is_fixed_store(cfg: TrainConfig) -> bool:
-    return cfg.source == "zarr"
-
-
 def versions() -> dict:
     pkgs = ("dspark", "torch", "speculators", "transformers", "zarr", "numpy")
     return {**{p: version(p) for p in pkgs}, "python": platform.python_version()}
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
+def to_device(batch: dict, device: torch.device) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return {k: v.to(device, dtype=dtype if v.is_floating_point() else v.dtype, non_blocking=True)
             for k, v in batch.items()}
@@ -220,7 +212,7 @@ class Trainer:
                 raise InputError(f"run {self.run.root} was started with another config (differs in: "
                                  f"{', '.join(diffs)})", "use a new --save-path, or pass --force to resume anyway")
             # A live run's cache grows as it trains; only a fixed store must be unchanged.
-            if cfg_is_fixed_store(self.cfg) and rec["store_fingerprint"] != self.source.fingerprint() and not force:
+            if not self.source.live and rec["store_fingerprint"] != self.source.fingerprint() and not force:
                 raise StoreMismatch(f"the store changed since run {self.run.root} started",
                                     "resume against the original store, or pass --force")
         ckpt, notes = self.run.resume_point(repair=self.dist.main)
@@ -254,7 +246,7 @@ class Trainer:
     def step(self, batch: dict) -> dict:
         self.wrapped.train()
         with self._autocast():
-            _, loss, metrics = self.wrapped(**_to_device(model_inputs(self.cfg, batch), self.device), **self.loss_kw)
+            _, loss, metrics = self.wrapped(**to_device(model_inputs(self.cfg, batch), self.device), **self.loss_kw)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         # Checked before the optimizer moves a weight: one NaN or infinite step makes every weight, and every
@@ -289,7 +281,7 @@ class Trainer:
             for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
                                 self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
                 with self._autocast():
-                    _, _, metrics = self.model(**_to_device(model_inputs(self.cfg, batch), self.device),
+                    _, _, metrics = self.model(**to_device(model_inputs(self.cfg, batch), self.device),
                                                **self.loss_kw)
                 accumulate(acc, metrics)
         self.timing["validate_s"].append(time.perf_counter() - start)
@@ -309,7 +301,7 @@ class Trainer:
             dist.all_gather_object(ranks, mine)
         start = time.perf_counter()
         if self.dist.main:
-            if not cfg_is_fixed_store(self.cfg):  # the cache now holds what this run trained on, and what it skipped
+            if self.source.live:  # the cache now holds what this run trained on, and what it skipped
                 self.run.write_record({**self.run.record(), "store_fingerprint": self.source.fingerprint(),
                                        "skipped": {k: v for _, _, s in ranks for k, v in s.items()}})
             if val is not None:

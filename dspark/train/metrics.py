@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from dspark.errors import CheckpointError, InputError
+from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
-from dspark.files import write_atomic
 
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:

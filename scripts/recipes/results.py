@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
 from dspark.train.metrics import MetricLog
 
@@ -182,7 +183,8 @@ def plot_curves(curves: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with replacing(path) as f:
+        fig.savefig(f, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -291,9 +293,9 @@ def markdown(r: dict) -> str:
 def main():
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "cache/recipes/smollm2")
     r = gather(root)
-    (root / "results.json").write_text(dump_json(r, indent=2, default=str) + "\n")
+    write_atomic(root / "results.json", dump_json(r, indent=2, default=str) + "\n")
     plot_curves(r["curves"], root / "learning_curve.png")
-    (root / "results.md").write_text(markdown(r))
+    write_atomic(root / "results.md", markdown(r))
     print(markdown(r))
 
 

@@ -1,0 +1,307 @@
+"""Typed configs are the single source of every setting: a field's default, type, bounds and help.
+
+`setting(...)` declares a field with what a command line and a config file need; `leaves`
+flattens nested configs into their settings; `build` makes a config from a nested dict,
+`load_config_file` reads one from YAML or JSON, and `check_settings` checks choices and
+bounds. Nested configs become prefixed flags (`--mooncake-master` is `live.mooncake.master`
+in a file) unless their field says `prefixed=False`.
+
+Free of click and torch: a vLLM worker loading our connector reads its settings from here,
+and `dspark.cli` (the only click user) turns the same leaves into options.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import types
+import typing
+from dataclasses import MISSING, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+from dspark.errors import InputError
+from dspark.files import FileRefused, read_bounded
+
+SEP = "__"  # parameter names: live__mooncake__master <-> cfg.live.mooncake.master
+MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB
+
+
+def setting(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (), cli: bool = True,
+            factory: Any = MISSING, negatable: bool = True, ge: float | None = None, gt: float | None = None,
+            prefixed: bool = True, allow_inf: bool = False, result_neutral: bool = False,
+            positional: bool = False, switch: Any = None, metavar: str | None = None):
+    """A config field with what its option needs (help, flag names, or no option at all) and its bounds.
+
+    A float setting is finite: NaN never, infinity only where `allow_inf` says it means something.
+    `result_neutral`: changing it on a resume or replay changes nothing the run computes (a nested
+    config's field marks all of its settings). `positional`: an argument, not a flag. `switch`: a
+    flag without a value that sets this value (`--fp8` is `encoding: fp8_e4m3`).
+    """
+    meta = {"help": help, "flags": flags, "cli": cli, "negatable": negatable, "ge": ge, "gt": gt,
+            "prefixed": prefixed, "allow_inf": allow_inf, "result_neutral": result_neutral,
+            "positional": positional, "switch": switch, "metavar": metavar}
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+class Leaf(NamedTuple):
+    """One setting of a (nested) config: where it sits, its flags, its field, type and effective default."""
+
+    path: tuple[str, ...]
+    flags: tuple[str, ...]
+    field: Any
+    hint: Any
+    default: Any  # MISSING when required; a nested config's factory may override its class's default
+    result_neutral: bool
+
+    @property
+    def dotted(self) -> str:
+        return ".".join(self.path)
+
+    @property
+    def meta(self):
+        return self.field.metadata
+
+
+def _default(f, parent) -> Any:
+    if parent is not None:
+        return getattr(parent, f.name)
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else MISSING
+
+
+def leaves(cls, path: tuple[str, ...] = (), words: tuple[str, ...] = (), parent=None, neutral: bool = False):
+    """Every leaf setting of `cls`, nested configs flattened (in field order).
+
+    A nested config's flags carry its name (`--mooncake-master`) unless its field says
+    `prefixed=False` (a run's live settings keep the seed's names: `--on-missing`).
+    """
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        sub, is_neutral = hints[f.name], neutral or f.metadata.get("result_neutral", False)
+        if is_dataclass(sub):
+            words_ = (*words, f.name) if f.metadata.get("prefixed", True) else words
+            yield from leaves(sub, (*path, f.name), words_, _default(f, parent), is_neutral)
+        else:
+            flag = f.metadata.get("flags") or ("--" + "-".join((*words, f.name)).replace("_", "-"),)
+            yield Leaf((*path, f.name), flag, f, sub, _default(f, parent), is_neutral)
+
+
+def cli_leaves(cls, prefix: tuple[str, ...] = ()) -> list[Leaf]:
+    """The leaf settings that have a command-line option."""
+    return [leaf for leaf in leaves(cls, prefix, prefix) if leaf.meta.get("cli", True)]
+
+
+def base_type(hint):
+    """`X` of `X | None` (either spelling), else `hint`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    return hint
+
+
+def result_neutral(cls) -> set[str]:
+    """Dotted names of the settings a resume or replay may change without changing the result."""
+    return {leaf.dotted for leaf in leaves(cls) if leaf.result_neutral}
+
+
+def check_finite(flag: str, value, default=None, allow_inf: bool = False) -> None:
+    """NaN passes every `<`/`>` bound (it compares false) and infinity passes lower ones, so each number
+    setting refuses them by name, as one line: NaN always, infinity unless `allow_inf`."""
+    if isinstance(value, float) and not (math.isfinite(value) or allow_inf and math.isinf(value)):
+        kind = "a number" if allow_inf else "a finite number"
+        raise InputError(f"{flag} {value} must be {kind}",
+                         "pass a finite value" + ("" if default is None else f" (default {default})"))
+
+
+def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
+    """Every setting's choices, finiteness and `ge`/`gt` bounds, as one line naming the flag and its value.
+
+    Click checks finiteness on the command line and in config files; this also covers Python callers.
+    """
+    for path, flags, f, hint, default, _ in leaves(type(cfg), words=prefix):
+        value = cfg
+        for p in path:
+            value = getattr(value, p)
+        choices = typing.get_args(base_type(hint)) if typing.get_origin(base_type(hint)) is Literal else None
+        if choices and value is not None and value not in choices:
+            raise InputError(f"{flags[0]} {value!r} is not supported", f"use one of {list(choices)}")
+        default = None if default is MISSING else default
+        check_finite(flags[0], value, default, f.metadata.get("allow_inf", False))
+        ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
+        if value is None or (ge is None and gt is None):
+            continue
+        if (ge is not None and value < ge) or (gt is not None and value <= gt):
+            bound = f">= {ge}" if ge is not None else f"> {gt}"
+            shown = "" if default is None else f" (default {default})"
+            raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """`{"live__mooncake__master": x}` -> `{"live": {"mooncake": {"master": x}}}`."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(SEP)
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _unknown(key: str, where: str, cls) -> InputError:
+    known = [f.name for f in fields(cls)]
+    close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
+    return InputError(f"unknown setting {key!r} in {where}",
+                      f"did you mean {close[0]!r}?" if close else f"the settings here are {sorted(known)}")
+
+
+def build(cls, data: dict[str, Any], where: str = "config", base=None):
+    """`cls` from a nested dict; an unknown key is an error naming it and the closest known one.
+
+    Settings the dict leaves out keep `base`'s values (a nested config's own default instance).
+    """
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    for key in sorted(set(data) - set(known)):
+        raise _unknown(key, where, cls)
+    kw = {}
+    for name, value in data.items():
+        sub = hints[name]
+        if is_dataclass(sub):
+            if isinstance(value, sub):
+                kw[name] = value
+            elif isinstance(value, dict):
+                inner = _default(known[name], base)
+                kw[name] = build(sub, value, f"{where}.{name}", None if inner is MISSING else inner)
+            else:
+                raise InputError(f"{where}.{name} must be a mapping of settings, got {value!r}",
+                                 f"allowed keys: {sorted(f.name for f in fields(sub))}")
+        else:
+            kw[name] = value
+    if base is not None:
+        return replace(base, **kw)
+    missing = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING
+               and f.name not in kw]
+    if missing:
+        raise InputError(f"{where} lacks required setting(s) {missing}", "set them as flags or in the config file")
+    return cls(**kw)
+
+
+# --- config files ----------------------------------------------------------------------------
+
+
+def _load_yaml(text: str, path: Path):
+    """`yaml.safe_load`, refusing aliases (`*name`): a few nested ones expand a few hundred bytes into
+    billions of values (an "alias bomb"), and no setting needs one."""
+    import yaml
+
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: a 1 MiB file in seconds, not a minute
+    for event in yaml.parse(text, Loader=loader):  # events only: nothing is expanded yet
+        if isinstance(event, yaml.AliasEvent):
+            line = event.start_mark.line + 1
+            raise InputError(f"config file {path} uses a YAML alias (*{event.anchor}, line {line})",
+                             "write the value out: config files refuse aliases")
+    return yaml.load(text, Loader=loader)  # noqa: S506  (a safe loader)
+
+
+def load_config_file(path: str | Path, cls) -> dict[str, Any]:
+    """A YAML or JSON file of `cls` settings (nested like `asdict`) as flat `SEP`-joined names -> values."""
+    path = Path(path)
+    try:
+        raw = read_bounded(path, MAX_CONFIG_BYTES)
+    except FileNotFoundError:
+        raise InputError(f"config file {path} does not exist", "pass --config a YAML or JSON file") from None
+    except FileRefused as e:  # a settings file is a few KB: a larger one would parse for minutes
+        raise InputError(f"config file {path} {e}", "pass --config a YAML or JSON file of settings "
+                                                    "(`dspark train --print-config` writes one)") from None
+    try:
+        data = json.loads(raw) if path.suffix == ".json" else _load_yaml(raw.decode(), path)
+    except InputError:
+        raise
+    except Exception as e:  # noqa: BLE001  (any parse error is the same user mistake)
+        mark = getattr(e, "problem_mark", None)  # YAML's position; JSON's message carries its own
+        at = f" (line {mark.line + 1})" if mark else ""
+        raise InputError(f"config file {path} is not valid {'JSON' if path.suffix == '.json' else 'YAML'}{at}: "
+                         f"{str(e).splitlines()[0]}",
+                         "fix the file (`dspark train --print-config` writes one)") from None
+    if not isinstance(data, dict):
+        raise InputError(f"config file {path} must hold a mapping of settings", "e.g. `lr: 0.001`")
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict, sub, path_: tuple[str, ...]):
+        hints = typing.get_type_hints(sub)
+        known = {f.name: f for f in fields(sub)}
+        for key, value in node.items():
+            name = str(key).replace("-", "_")
+            where = ".".join((*path_, name))
+            if name not in known:
+                raise _unknown(where, str(path), sub)
+            if is_dataclass(hints[name]):
+                if not isinstance(value, dict):
+                    raise InputError(f"{where} in {path} must be a mapping", f"allowed keys: "
+                                     f"{sorted(f.name for f in fields(hints[name]))}")
+                walk(value, hints[name], (*path_, name))
+            else:
+                flat[SEP.join((*path_, name))] = value
+    walk(data, cls, ())
+    return flat
+
+
+# --- argparse, for entry points that run where click may be missing (vLLM's environment) ------------
+
+
+def add_arguments(parser, cls) -> None:
+    """One argparse argument per leaf setting of `cls` that has one, plus `--config FILE`.
+
+    Unset arguments stay unset (`SUPPRESS`), so `parsed_config` fills them from the file, then from the
+    settings' own defaults: each default stays written once, on the setting.
+    """
+    import argparse
+
+    parser.add_argument("--config", dest="config_file", default=None, metavar="FILE",
+                        help="YAML or JSON file of settings; flags override it.")
+    for leaf in cli_leaves(cls):
+        meta, base = leaf.meta, base_type(leaf.hint)
+        dest = SEP.join(leaf.path)
+        kw: dict[str, Any] = {"help": meta.get("help") or None, "default": argparse.SUPPRESS}
+        if meta.get("positional"):
+            parser.add_argument(dest, nargs="?", metavar=leaf.path[-1].upper(), **kw)
+            continue
+        if meta.get("switch") is not None:
+            kw.update(action="store_const", const=meta["switch"])
+        elif base is bool:
+            kw["action"] = argparse.BooleanOptionalAction if meta.get("negatable", True) else "store_true"
+        elif typing.get_origin(base) is list:
+            kw.update(nargs="+", type=_int_words if typing.get_args(base) == (int,) else str, metavar="N")
+        elif typing.get_origin(base) is Literal:
+            kw["choices"] = typing.get_args(base)
+        else:
+            kw.update(type=base if base in (int, float) else str, metavar=meta.get("metavar") or leaf.path[-1].upper())
+        parser.add_argument(*leaf.flags, dest=dest, **kw)
+
+
+def _int_words(word: str) -> list[int]:
+    """`1,3` of `--target-layer-ids 1,3 5`; a word that is no integer list is argparse's usual error."""
+    import argparse
+
+    try:
+        return [int(x) for x in word.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers, got {word!r}") from None
+
+
+def parsed_config(cls, namespace, where: str = "the command line"):
+    """`cls` from what `add_arguments` parsed: given flags, then `--config FILE`, then the defaults."""
+    given = dict(vars(namespace))
+    path = given.pop("config_file", None)
+    flat = load_config_file(path, cls) if path else {}
+    for key, value in given.items():
+        flat[key] = [x for words in value for x in (words if isinstance(words, list) else [words])] \
+            if isinstance(value, list) else value
+    cfg = build(cls, nest(flat), where)
+    check_settings(cfg)
+    return cfg
