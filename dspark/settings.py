@@ -58,10 +58,6 @@ class Leaf(NamedTuple):
     result_neutral: bool
 
     @property
-    def dotted(self) -> str:
-        return ".".join(self.path)
-
-    @property
     def meta(self):
         return self.field.metadata
 
@@ -101,11 +97,6 @@ def base_type(hint):
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return next((a for a in typing.get_args(hint) if a is not type(None)), hint)
     return hint
-
-
-def result_neutral(cls) -> set[str]:
-    """Dotted names of the settings a resume or replay may change without changing the result."""
-    return {leaf.dotted for leaf in leaves(cls) if leaf.result_neutral}
 
 
 def check_finite(flag: str, value, default=None, allow_inf: bool = False) -> None:
@@ -189,6 +180,13 @@ def build(cls, data: dict[str, Any], where: str = "config", base=None):
     if missing:
         raise InputError(f"{where} lacks required setting(s) {missing}", "set them as flags or in the config file")
     return cls(**kw)
+
+
+def checked(cls, flat: dict[str, Any], where: str = "the command line"):
+    """`cls` from flat `SEP`-joined names (a command line's parameters), its choices and bounds checked."""
+    cfg = build(cls, nest(flat), where)
+    check_settings(cfg)
+    return cfg
 
 
 # --- config files ----------------------------------------------------------------------------
@@ -302,6 +300,4 @@ def parsed_config(cls, namespace, where: str = "the command line"):
     for key, value in given.items():
         flat[key] = [x for words in value for x in (words if isinstance(words, list) else [words])] \
             if isinstance(value, list) else value
-    cfg = build(cls, nest(flat), where)
-    check_settings(cfg)
-    return cfg
+    return checked(cls, flat, where)

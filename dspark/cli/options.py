@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import click
 
-from dspark.settings import Leaf, base_type, build, check_finite, check_settings, cli_leaves, load_config_file, nest
+from dspark.settings import Leaf, base_type, check_finite, checked, cli_leaves, load_config_file
 
 
 class IntList(click.Option):
@@ -117,31 +117,24 @@ def _param(leaf: Leaf) -> click.Parameter:
     return click.Option([*flags, name], default=default, **kw)
 
 
-def params(cls, prefix: tuple[str, ...] = ()) -> list[click.Parameter]:
+def params(cls) -> list[click.Parameter]:
     """One click parameter per leaf setting of `cls` that has one, each carrying its leaf."""
     made = []
-    for leaf in cli_leaves(cls, prefix):
+    for leaf in cli_leaves(cls):
         param = _param(leaf)
         param.setting = leaf
         made.append(param)
     return made
 
 
-def options(*classes, prefix: tuple[str, ...] = ()):
+def options(*classes):
     """A decorator adding the parameters of each class's settings (in field order)."""
-    made = [p for cls in classes for p in params(cls, prefix)]
+    made = [p for cls in classes for p in params(cls)]
 
     def decorate(fn):
         fn.__click_params__ = getattr(fn, "__click_params__", []) + made[::-1]
         return fn
     return decorate
-
-
-def config_from(kw: dict, cls, where: str = "the command line"):
-    """The `cls` a command's parameters describe, its choices and bounds checked."""
-    cfg = build(cls, nest(kw), where)
-    check_settings(cfg)
-    return cfg
 
 
 def config_file_option(cls):
@@ -162,5 +155,5 @@ def configs(kw: dict, *classes) -> list:
     made = []
     for cls in classes:
         names = {"__".join(leaf.path) for leaf in cli_leaves(cls)}
-        made.append(config_from({k: v for k, v in kw.items() if k in names}, cls))
+        made.append(checked(cls, {k: v for k, v in kw.items() if k in names}))
     return made

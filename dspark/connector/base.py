@@ -47,8 +47,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from dspark.connector.config import SINK_MODULES, parse_names
 from dspark.connector.manifest import StoreManifest
-from dspark.errors import InputError
 
 
 @dataclass
@@ -236,15 +236,10 @@ class Registry(dict):
         return super().__len__()
 
     def parse(self, spec: str) -> list[str]:
-        names = [n.strip() for n in spec.split(",") if n.strip()]
-        unknown = [n for n in names if n not in self]
-        if not names or unknown:
-            raise InputError(f"unknown {self.flag} value(s) {unknown or spec!r}",
-                             f"use one or more of {sorted(self)}, comma-separated")
-        return names
+        return parse_names(spec, self, self.flag)
 
 
-SINKS = Registry("sink", "--to", {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.mooncake"})
+SINKS = Registry("sink", "--to", SINK_MODULES)
 SOURCES = Registry("source", "--from", {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.live"})
 register_sink, register_source = SINKS.register, SOURCES.register
 

@@ -15,6 +15,16 @@ from dspark.errors import InputError
 from dspark.settings import setting
 
 
+def parse_names(spec: str, known, flag: str) -> list[str]:
+    """`zarr,mooncake` as its names, each one of `known`; else one line naming the unknown ones."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if not names or unknown:
+        raise InputError(f"unknown {flag} value(s) {unknown or spec!r}",
+                         f"use one or more of {sorted(known)}, comma-separated")
+    return names
+
+
 @dataclass
 class MooncakeConfig:
     """The seed's Mooncake flags (`--mooncake-*`)."""
@@ -67,7 +77,8 @@ class LiveConfig:
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
 
 
-
+# The sink backends by name, and the module registering each (dspark.connector.base imports it at first use).
+SINK_MODULES = {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.mooncake"}
 Codec = Literal[tuple(CODECS)]
 ACCEPT_OTHER_WEIGHTS = ("Write into a store extracted with a verifier of other weights (same config): its new "
                         "segment records them, and `dspark store info` lists it.")
@@ -96,6 +107,9 @@ class SinkConfig:
     rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
     accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
+
+    def __post_init__(self):
+        parse_names(self.to, SINK_MODULES, "--to")  # before a launcher hands an unknown name to vLLM's workers
 
     @property
     def needs_store(self) -> bool:
