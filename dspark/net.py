@@ -1,7 +1,20 @@
-"""Ports for servers started on this host (tests, benchmarks, the one-node Slurm check)."""
+"""Ports for servers started on this host, and the one readiness check of every deployment.
 
+    python -m dspark.net N                  N free ports (tests, benchmarks, the one-node Slurm check)
+    python -m dspark.net wait URL [--timeout S] [--pid PID] [--name WHAT]
+        exit 0 once URL answers: http(s)://... with a 2xx, tcp://HOST:PORT by accepting a connection;
+        exit 1 with one line when S seconds pass (0: one probe, for container healthchecks) or the
+        process PID, the server starting, exits first.
+"""
+
+import os
 import random
 import socket
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
 
 # Kernel-chosen ports (connect()'s source ports, bind to port 0) come from this range on Linux.
 _EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -36,7 +49,61 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise OSError(f"no free port between 20000 and {low} on {host}")
 
 
-if __name__ == "__main__":  # python -m dspark.net N: N distinct ports for a shell script
-    import sys
+def ready(url: str, timeout: float = 5.0) -> bool:
+    """Whether `url` answers now: an HTTP 2xx (no proxy: these servers are on the job's own network), or a
+    TCP connection accepted (tcp://HOST:PORT)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        if parts.scheme == "tcp":
+            socket.create_connection((parts.hostname, parts.port), timeout=timeout).close()
+            return True
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(url, timeout=timeout) as reply:
+            return 200 <= reply.status < 300
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
 
-    print(*(free_port("") for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 1)))
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: it exists
+        pass
+    return True
+
+
+def wait(url: str, timeout: float, pid: int | None = None, name: str | None = None, every: float = 1.0) -> str | None:
+    """None once `url` is ready; else why not (timed out, or process `pid` exited first)."""
+    what = f"{name} ({url})" if name else url
+    deadline = time.monotonic() + timeout
+    while not ready(url):
+        if pid is not None and not _alive(pid):
+            return f"{what} exited before it was ready"
+        if time.monotonic() >= deadline:
+            return f"{what} not ready after {timeout:g}s" if timeout else f"{what} does not answer"
+        time.sleep(every)
+    return None
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] != ["wait"]:
+        print(*(free_port("") for _ in range(int(argv[0]) if argv else 1)))
+        return 0
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dspark.net wait", description="Exit 0 once URL answers.")
+    p.add_argument("url", help="http(s)://HOST:PORT/PATH (a 2xx) or tcp://HOST:PORT (a connection)")
+    p.add_argument("--timeout", type=float, default=0.0, help="Seconds to keep trying (0: one probe).")
+    p.add_argument("--pid", type=int, help="Fail as soon as this process (the server starting) exits.")
+    p.add_argument("--name", help="What the error line calls the server.")
+    args = p.parse_args(argv[1:])
+    why = wait(args.url, args.timeout, args.pid, args.name)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -206,9 +206,13 @@ def _load_yaml(text: str, path: Path):
     return yaml.load(text, Loader=loader)  # noqa: S506  (a safe loader)
 
 
-def load_config_file(path: str | Path, cls) -> dict[str, Any]:
-    """A YAML or JSON file of `cls` settings (nested like `asdict`) as flat `SEP`-joined names -> values."""
-    path = Path(path)
+# A deployment file (configs/cpu.yaml) configures several commands at once: a section per command,
+# named as the command is, and `shared:` settings that every one of them takes where it has them.
+DEPLOYMENT_SECTIONS = ("prepare", "extract", "launch-vllm", "mooncake-master", "train")
+SHARED = "shared"
+
+
+def _read_config(path: Path) -> dict:
     try:
         raw = read_bounded(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
@@ -228,25 +232,73 @@ def load_config_file(path: str | Path, cls) -> dict[str, Any]:
                          "fix the file (`dspark train --print-config` writes one)") from None
     if not isinstance(data, dict):
         raise InputError(f"config file {path} must hold a mapping of settings", "e.g. `lr: 0.001`")
-    flat: dict[str, Any] = {}
+    return data
 
-    def walk(node: dict, sub, path_: tuple[str, ...]):
-        hints = typing.get_type_hints(sub)
-        known = {f.name: f for f in fields(sub)}
-        for key, value in node.items():
-            name = str(key).replace("-", "_")
-            where = ".".join((*path_, name))
-            if name not in known:
-                raise _unknown(where, str(path), sub)
-            if is_dataclass(hints[name]):
-                if not isinstance(value, dict):
-                    raise InputError(f"{where} in {path} must be a mapping", f"allowed keys: "
-                                     f"{sorted(f.name for f in fields(hints[name]))}")
-                walk(value, hints[name], (*path_, name))
-            else:
-                flat[SEP.join((*path_, name))] = value
-    walk(data, cls, ())
+
+def _mapping(value, where: str, path: Path, cls) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{where} in {path} must be a mapping", f"allowed keys: {sorted(f.name for f in fields(cls))}")
+    return value
+
+
+def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Nested settings of `cls` (as in a file) as flat `SEP`-joined names -> values; unknown keys refused."""
+    flat: dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key, value in node.items():
+        name = str(key).replace("-", "_")
+        where = ".".join((*prefix, name))
+        if name not in known:
+            raise _unknown(where, str(path), cls)
+        if is_dataclass(hints[name]):
+            flat.update(_flatten(_mapping(value, where, path, hints[name]), hints[name], path, (*prefix, name)))
+        else:
+            flat[SEP.join((*prefix, name))] = value
     return flat
+
+
+def _groups(cls, prefix: tuple[str, ...] = ()):
+    """(path, class) of `cls` and of every config nested in it."""
+    yield prefix, cls
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            yield from _groups(hints[f.name], (*prefix, f.name))
+
+
+def _deployment(data: dict, section: str | None, cls, path: Path) -> dict[str, Any]:
+    """A command's settings in a deployment file: the shared ones it has (at any depth), then its section's."""
+    unknown = sorted(set(data) - {*DEPLOYMENT_SECTIONS, SHARED})
+    if unknown:
+        raise InputError(f"config file {path} has unknown section(s) {unknown}",
+                         f"a deployment file holds `{SHARED}:` and sections named after {list(DEPLOYMENT_SECTIONS)}")
+    if section not in DEPLOYMENT_SECTIONS:
+        raise InputError(f"config file {path} is a deployment file, with no section for this command",
+                         f"pass a file of this command's settings (sections are {list(DEPLOYMENT_SECTIONS)})")
+    flat: dict[str, Any] = {}
+    for key, value in _mapping(data.get(SHARED), SHARED, path, cls).items():
+        for prefix, sub in _groups(cls):  # e.g. `mooncake` is train's live.mooncake and launch-vllm's sink.mooncake
+            if str(key).replace("-", "_") in {f.name for f in fields(sub)}:
+                flat.update(_flatten({key: value}, sub, path, prefix))
+    flat.update(_flatten(_mapping(data.get(section), section, path, cls), cls, path))
+    return flat
+
+
+def load_config_file(path: str | Path, cls, section: str | None = None) -> dict[str, Any]:
+    """A YAML or JSON file of `cls` settings (nested like `asdict`) as flat `SEP`-joined names -> values.
+
+    A deployment file (top-level keys from DEPLOYMENT_SECTIONS and SHARED) gives the command named
+    `section` its section, over the shared settings it has.
+    """
+    path = Path(path)
+    data = _read_config(path)
+    names = {f.name for f in fields(cls)}
+    if any(k in DEPLOYMENT_SECTIONS or k == SHARED for k in data) and not names & set(data):
+        return _deployment(data, section, cls, path)
+    return _flatten(data, cls, path)
 
 
 # --- argparse, for entry points that run where click may be missing (vLLM's environment) ------------
@@ -292,11 +344,12 @@ def _int_words(word: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers, got {word!r}") from None
 
 
-def parsed_config(cls, namespace, where: str = "the command line"):
-    """`cls` from what `add_arguments` parsed: given flags, then `--config FILE`, then the defaults."""
+def parsed_config(cls, namespace, where: str = "the command line", section: str | None = None):
+    """`cls` from what `add_arguments` parsed: given flags, then `--config FILE` (its `section` in a
+    deployment file), then the defaults."""
     given = dict(vars(namespace))
     path = given.pop("config_file", None)
-    flat = load_config_file(path, cls) if path else {}
+    flat = load_config_file(path, cls, section) if path else {}
     for key, value in given.items():
         flat[key] = [x for words in value for x in (words if isinstance(words, list) else [words])] \
             if isinstance(value, list) else value

@@ -28,8 +28,9 @@ import torch
 
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
+from dspark.connector.config import MasterConfig
 from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink, connect, master_binary
-from dspark.net import free_port
+from dspark.net import free_port, wait
 
 
 class Dspark:
@@ -165,11 +166,11 @@ def main():
     proc = None
     if args.master is None:
         port = free_port()
-        proc = subprocess.Popen([master_binary(), "--rpc_port", str(port), "--metrics_port", str(free_port()),
-                                 "--rpc_thread_num", "8", "--enable_disk_eviction=false"],
+        proc = subprocess.Popen([master_binary(), *MasterConfig(port=port, metrics_port=free_port()).argv()],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.5)
         args.master = f"127.0.0.1:{port}"
+        if wait(f"tcp://{args.master}", timeout=30):
+            raise SystemExit(f"the Mooncake master did not start on {args.master}")
     try:
         if args.source:
             manifest, samples = from_source(args.source, args.samples, args.join)

@@ -11,13 +11,15 @@ from pathlib import Path
 
 from dspark.net import free_port
 
-STEP = Path(__file__).resolve().parents[1] / "docker" / "bin" / "dspark-compose"
+ROOT = Path(__file__).resolve().parents[1]
+STEP = ROOT / "docker" / "bin" / "dspark-compose"
 
 
 def step_env(cache: Path, **extra: str) -> dict:
     # The venv's bin first: dspark and mooncake_master, as on the images' PATH.
     path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
-    return {**os.environ, "PATH": path, "DSPARK_CACHE_DIR": str(cache), "DSPARK_NAME": "t", **extra}
+    return {**os.environ, "PATH": path, "DSPARK_CACHE_DIR": str(cache), "DSPARK_NAME": "t",
+            "DSPARK_CONFIG": str(ROOT / "configs" / "cpu.yaml"), **extra}
 
 
 def healthy(url: str, env: dict) -> bool:

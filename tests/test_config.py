@@ -4,6 +4,7 @@ run records and the seed's own command lines (tests/test_card.py) all go through
 import json
 import math
 import resource
+from dataclasses import MISSING
 from pathlib import Path
 
 import click
@@ -12,12 +13,12 @@ from click.testing import CliRunner
 
 from conftest import LAYERS, run_cli
 from dspark.cli import main
-from dspark.connector.config import MooncakeConfig
-from dspark.extract.config import ServeLimits
-from dspark.settings import check_settings, load_config_file
+from dspark.connector.config import MasterConfig, MooncakeConfig
+from dspark.extract.config import ExtractConfig, LaunchConfig, ServeLimits
+from dspark.prepare import PrepareConfig, PreparedData
+from dspark.settings import DEPLOYMENT_SECTIONS, check_settings, checked, leaves, load_config_file, nest
 from dspark.connector.manifest import default_store
 from dspark.errors import InputError
-from dspark.prepare import PreparedData
 from dspark.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,3 +188,66 @@ def test_a_yaml_alias_bomb_in_a_config_file_is_refused_unexpanded(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: config file {path} uses a YAML alias (*l0, line 3)"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+# --- deployment files (configs/*.yaml): a section per command, `shared:` settings where a command has them ----
+
+SECTIONS = {"prepare": PrepareConfig, "extract": ExtractConfig, "launch-vllm": LaunchConfig,
+            "mooncake-master": MasterConfig, "train": TrainConfig}
+
+
+def test_a_deployment_file_gives_each_command_its_section_over_the_shared_settings(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("shared:\n  target_layer_ids: [2, 4]\n  mooncake: {local_buffer_gib: 0.75, writer_threads: 3}\n"
+                 "train:\n  epochs: 5\n  live: {mooncake: {writer_threads: 6}}\nprepare: {seq_length: 128}\n")
+    assert load_config_file(f, TrainConfig, "train") == {
+        "target_layer_ids": [2, 4], "live__mooncake__local_buffer_gib": 0.75, "live__mooncake__writer_threads": 6,
+        "epochs": 5}
+    assert load_config_file(f, LaunchConfig, "launch-vllm") == {
+        "target_layer_ids": [2, 4], "sink__mooncake__local_buffer_gib": 0.75, "sink__mooncake__writer_threads": 3}
+    assert load_config_file(f, PrepareConfig, "prepare") == {"seq_length": 128}  # it has no shared setting
+    assert load_config_file(f, MasterConfig, "mooncake-master") == {}
+    cfg = TrainConfig.from_dict({**nest(load_config_file(f, TrainConfig, "train")), "data_path": "p",
+                                 "verifier_name_or_path": "v", "save_path": "s"})
+    assert (cfg.epochs, cfg.live.mooncake.writer_threads, cfg.live.mooncake.local_buffer_gib) == (5, 6, 0.75)
+
+
+def test_a_deployment_file_refuses_unknown_sections_and_commands_it_has_none_for(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("shared: {target_layer_ids: [1]}\ntrian: {epochs: 5}\n")
+    with pytest.raises(InputError, match=r"unknown section\(s\) \['trian'\]"):
+        load_config_file(f, TrainConfig, "train")
+    f.write_text("train: {epochs: 5}\n")
+    proc = run_cli("compare", "--config", f, check=False)
+    assert proc.returncode == 2
+    assert "is a deployment file, with no section for this command" in proc.stderr
+    f.write_text("train: {epohcs: 5}\n")
+    with pytest.raises(InputError, match="unknown setting 'epohcs'"):
+        load_config_file(f, TrainConfig, "train")
+
+
+def test_the_deployment_sections_are_the_commands_that_take_a_config_file():
+    with_config = {name for name, cmd in main.commands.items() if any(p.name == "config_file" for p in cmd.params)}
+    assert set(SECTIONS) - {"launch-vllm"} <= with_config  # launch-vllm parses its own argv (argparse)
+    assert set(SECTIONS) == set(DEPLOYMENT_SECTIONS)
+
+
+DEPLOYMENTS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", DEPLOYMENTS, ids=[p.name for p in DEPLOYMENTS])
+def test_each_shipped_deployment_builds_every_command_and_writes_no_default(path):
+    """A value equal to its setting's default would be a second copy of that default."""
+    import yaml
+
+    data = yaml.safe_load(path.read_text())
+    used = set()
+    for section, cls in SECTIONS.items():
+        flat = load_config_file(path, cls, section)
+        used |= {k.split("__")[0] for k in flat} | {k.split("__")[1] for k in flat if "__" in k}
+        defaults = {"__".join(leaf.path): leaf.default for leaf in leaves(cls)}
+        assert not [k for k, v in flat.items() if v == defaults[k]], f"{section} repeats defaults"
+        required = {"__".join(leaf.path): [1] if "list" in str(leaf.hint) else "x"
+                    for leaf in leaves(cls) if leaf.default is MISSING}
+        checked(cls, {**required, **flat}, str(path))
+    assert set(data["shared"]) <= used, "a shared setting no command has"

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import hf_cache_model, wait_for
 from dspark import vllm_server
+from dspark.connector.config import SinkConfig
 from dspark.errors import InputError
 from dspark.extract import launch
 from dspark.net import free_port
@@ -66,7 +67,7 @@ def test_seed_command_line(model, tmp_path, entry, backend):
                      "global_segment_gib": 32.0, "local_buffer_gib": 4.0, "writer_threads": 4,
                      "local_hostname": "127.0.0.1"}
     assert {k: extra["mooncake"][k] for k in seed_mooncake} == seed_mooncake
-    assert (extra["to"], extra["writer_threads"]) == (backend, 4)
+    assert (extra["to"], SinkConfig.from_extra_config(extra).writer_threads) == (backend, 4)
     if zarr:
         assert (extra["store"], extra["prepared_fingerprint"]) == (str(tmp_path / "store"), "abc123")
 
@@ -129,6 +130,21 @@ def test_host_and_port_after_dashdash_are_vllms_and_the_health_wait_follows_them
     assert cmd[5:cmd.index("--speculative-config")] == command and cmd[len(cmd) - len(after):] == after
     assert sum(w.split("=")[0] == "--port" for w in cmd) == (1 if before or after else 0)
     assert plan["health"] == health
+
+
+def test_a_deployment_file_gives_its_settings_and_vllm_flags_and_the_command_line_wins(model, tmp_path):
+    """configs/*.yaml: the launcher's section over the shared settings; its vllm_args go before the flags
+    after `--`, so a flag given on the command line is the one vLLM keeps (its parser takes the last)."""
+    f = tmp_path / "deploy.yaml"
+    f.write_text("shared:\n  target_layer_ids: [1, 3]\n  mooncake: {writer_threads: 3}\n"
+                 "launch-vllm:\n  vllm_args: [--enforce-eager, --max-model-len, '512']\n"
+                 "  sink: {mooncake: {global_segment_gib: 0}}\n")
+    args, flags = launch.parse_args([str(model), "--config", str(f), "--mooncake-writer-threads", "5",
+                                     "--", "--max-model-len", "256"])
+    assert args.target_layer_ids == [1, 3]
+    assert (args.sink.mooncake.writer_threads, args.sink.mooncake.global_segment_gib) == (5, 0)
+    assert flags == ["--enforce-eager", "--max-model-len", "512", "--max-model-len", "256"]
+    assert launch.build_plan(args, flags)["command"][-5:] == flags
 
 
 def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path):

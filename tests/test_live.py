@@ -42,8 +42,9 @@ def _port_open(port: int) -> bool:
 def start_master(tmp_path, port=None):
     port = port or free_port()
     log = open(tmp_path / f"master-{port}.log", "w")
-    proc = subprocess.Popen([master_binary(), "--rpc_port", str(port), "--metrics_port", str(free_port()),
-                             "--rpc_thread_num", "4", "--enable_disk_eviction=false", "--logtostderr=true"],
+    # `dspark mooncake-master` becomes the master (exec): the pid is the server's, as in compose and Slurm.
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "mooncake-master", "--port", str(port),
+                             "--metrics-port", str(free_port()), "--rpc-threads", "4"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: _port_open(port), 20, "mooncake_master")
     return proc, f"127.0.0.1:{port}"

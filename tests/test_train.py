@@ -78,7 +78,7 @@ def test_store_from_another_tokenizer_is_refused(reference_run, verifier, tmp_pa
     tc = json.loads((other / "tokenizer_config.json").read_text())
     tc["model_max_length"] = 123
     (other / "tokenizer_config.json").write_text(json.dumps(tc))
-    with pytest.raises(StoreMismatch, match="tokenizer hash"):
+    with pytest.raises(StoreMismatch, match="tokenizer_hash: store has"):
         Trainer(replace(c, save_path=str(tmp_path / "r"), verifier_name_or_path=str(other)), progress=False)
 
 

@@ -77,6 +77,6 @@ def command(group: click.Group, name: str, *classes, config_file=None):
         run.__doc__, run.__name__ = fn.__doc__, fn.__name__
         run = options(*classes)(run)
         if config_file is not None:
-            run = config_file_option(config_file)(run)
+            run = config_file_option(config_file, name)(run)
         return group.command(name)(run)
     return decorate

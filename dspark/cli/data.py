@@ -68,7 +68,7 @@ def holdout(cfg: HoldoutConfig):
                     [Path(p) for p in cfg.exclude]))
 
 
-@command(main, "prepare", PrepareConfig)
+@command(main, "prepare", PrepareConfig, config_file=PrepareConfig)
 def prepare(cfg: PrepareConfig):
     """Tokenize chat data with the model's template; mask all but assistant tokens.
 

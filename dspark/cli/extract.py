@@ -1,4 +1,4 @@
-"""Commands that capture hidden states and look after stores: extract, serve, launch-vllm, store."""
+"""Commands that capture hidden states and look after stores: extract, serve, launch-vllm, mooncake-master, store."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import replace
 import click
 
 from dspark.cli.app import Progress, command, echo_json, local, main
-from dspark.connector.config import StoreCheck, StorePath
+from dspark.connector.config import MasterConfig, StoreCheck, StorePath
 from dspark.extract.config import ExtractConfig, RepairConfig, ServeConfig
 
 
-@command(main, "extract", ExtractConfig, Progress)
+@command(main, "extract", ExtractConfig, Progress, config_file=ExtractConfig)
 def extract(cfg: ExtractConfig, shown: Progress):
     """Capture verifier hidden states into a Zarr store and/or Mooncake (resumable, crash-safe).
 
@@ -60,6 +60,21 @@ def launch_vllm(argv):
     launch(argv)
 
 
+@command(main, "mooncake-master", MasterConfig, config_file=MasterConfig)
+def mooncake_master(cfg: MasterConfig):
+    """Run the Mooncake master (live runs): this process becomes mooncake_master, so signals reach it."""
+    import os
+    import shlex
+
+    from dspark.connector.mooncake import master_binary
+
+    argv = [master_binary(), *cfg.argv()]
+    if cfg.print_only:
+        click.echo(shlex.join(argv))
+        return
+    os.execv(argv[0], argv)
+
+
 @main.group()
 def store():
     """Inspect, check and repair hidden-state stores."""
@@ -78,15 +93,15 @@ def store_verify(cfg: StoreCheck, shown: Progress):
     """Read every sample back against its checksum, report damaged index records and, with --data,
     missing samples; non-zero exit on any of them."""
     from dspark.connector.zarr_store import ZarrStore, check_store
-    from dspark.errors import StoreError, StoreMismatch, repair_command
+    from dspark.errors import StoreError, repair_command
     from dspark.prepare import PreparedData
 
     path, data = cfg.path, cfg.data
     s = ZarrStore(path)
     prepared = PreparedData(data) if data else None
-    if prepared and prepared.fingerprint != s.manifest.prepared_fingerprint:
-        raise StoreMismatch(f"store {path} was extracted from other prepared data than {data}",
-                            "pass --data the prepared folder the store was extracted from")
+    if prepared:
+        s.manifest.require_match(path, f"pass --data the prepared folder the store was extracted from ({data} is other "
+                                 "prepared data)", prepared_fingerprint=prepared.fingerprint)
     found = check_store(s, len(prepared) if prepared else None, progress=not shown.no_progress)
     for i in sorted(found.damaged)[:20]:
         click.echo(f"sample {i}: {found.damaged[i]}", err=True)

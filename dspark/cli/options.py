@@ -137,12 +137,13 @@ def options(*classes):
     return decorate
 
 
-def config_file_option(cls):
-    """`--config FILE`: its settings become the defaults; flags on the command line still win."""
+def config_file_option(cls, section: str | None = None):
+    """`--config FILE`: its settings (section `section` of a deployment file) become the defaults; flags on
+    the command line still win."""
 
     def load(ctx: click.Context, _param, value):
         if value:
-            ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value, cls)}
+            ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value, cls, section)}
         return value
 
     return click.option("--config", "config_file", type=click.Path(dir_okay=False), is_eager=True,

@@ -25,11 +25,29 @@ def parse_names(spec: str, known, flag: str) -> list[str]:
     return names
 
 
+MASTER_PORT = 50051  # Mooncake's own default
+
+
+@dataclass
+class MasterConfig:
+    """`dspark mooncake-master`: the Mooncake master, the metadata service every live process dials."""
+
+    port: int = setting(MASTER_PORT, "RPC port: the clients' --mooncake-master HOST:PORT.", ge=1)
+    metrics_port: int = setting(9003, "HTTP metrics port.", ge=1)
+    rpc_threads: int = setting(8, "RPC worker threads.", ge=1)
+    print_only: bool = setting(False, "Print the master's command line and exit.", negatable=False)
+
+    def argv(self) -> list[str]:
+        """mooncake_master's flags. No disk eviction: a sample lives in memory until it is read or expires."""
+        return ["--rpc_port", str(self.port), "--metrics_port", str(self.metrics_port),
+                "--rpc_thread_num", str(self.rpc_threads), "--enable_disk_eviction=false", "--logtostderr=true"]
+
+
 @dataclass
 class MooncakeConfig:
     """The seed's Mooncake flags (`--mooncake-*`)."""
 
-    master: str = setting("127.0.0.1:50051", "Mooncake master address.")
+    master: str = setting(f"127.0.0.1:{MASTER_PORT}", "Mooncake master address.")
     metadata_server: str = setting("P2PHANDSHAKE", "Transfer-engine metadata server.")
     protocol: Literal["tcp", "rdma"] = setting("tcp", "Transport.")
     device: str = setting("", "RDMA device name(s).")
@@ -102,7 +120,6 @@ class SinkConfig:
         None, f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
               "stores larger: README, Performance). An existing store keeps its own.")
     chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
-    writer_threads: int = setting(4, cli=False)  # the connector's writer pool: writes overlap the next forward
     flush_interval_s: float = setting(0.5, cli=False)  # longest a finished sample waits in a partial Zarr chunk
     rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
     accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
@@ -122,10 +139,14 @@ class SinkConfig:
             raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
                              "pass both, or use --to mooncake")
 
+    @property
+    def writer_threads(self) -> int:
+        """The connector's writer pool (its writes overlap the next forward): as many as Mooncake puts in flight."""
+        return self.mooncake.writer_threads
+
     def for_data(self, prepared_fingerprint: str | None, rewrite=()) -> SinkConfig:
-        """These sinks bound to one prepared data set; the writer pool sized as the Mooncake puts in flight."""
-        return replace(self, prepared_fingerprint=prepared_fingerprint, writer_threads=self.mooncake.writer_threads,
-                       rewrite=sorted(rewrite))
+        """These sinks bound to one prepared data set."""
+        return replace(self, prepared_fingerprint=prepared_fingerprint, rewrite=sorted(rewrite))
 
     def to_extra_config(self) -> dict:
         return asdict(self)

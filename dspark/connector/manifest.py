@@ -88,6 +88,27 @@ class StoreManifest(BaseModel):
                        f"{other.verifier_weights_hash} (--accept-other-weights adds states of other weights knowingly)")
         return out
 
+    def require_match(self, where: str, fix: str, expected: StoreManifest | None = None, *,
+                      verifier: str | Path | None = None, accept_other_weights: bool = False, **wanted) -> bool:
+        """The one identity check of a store (extract, train, verify, repair): StoreMismatch naming every field
+        that differs from `expected` (a writer's whole identity) or from `wanted` (the fields a reader knows,
+        e.g. prepared_fingerprint). `verifier`: a model whose weights must be the store's, named in the error.
+        Returns whether the store holds other weights than wanted, accepted by `accept_other_weights`.
+        """
+        if verifier is not None:
+            wanted["verifier_weights_hash"] = weights_hash(Path(verifier))
+        expected = expected or self.model_copy(update=wanted)
+        named = verifier is not None and weights_differ(self.verifier_weights_hash, expected.verifier_weights_hash)
+        diffs = self.mismatches(expected, accept_other_weights or named)
+        if diffs:
+            raise StoreMismatch(f"store {where} was written for other inputs: " + "; ".join(diffs), fix)
+        if named and not accept_other_weights:
+            raise StoreMismatch(f"store {where} was extracted with other verifier weights than {verifier} "
+                                f"(store {self.verifier_weights_hash}, verifier {expected.verifier_weights_hash})",
+                                "use the verifier the store was extracted with, or pass --accept-other-weights to "
+                                "mix in this one's states knowingly (the store's segments and the run record it)")
+        return weights_differ(self.verifier_weights_hash, expected.verifier_weights_hash)
+
     # --- persistence -------------------------------------------------------
     @classmethod
     def load(cls, root: Path) -> StoreManifest:
@@ -139,10 +160,8 @@ class StoreManifest(BaseModel):
             stamped = self.model_copy(update={"created_at": datetime.now(timezone.utc).isoformat()})
             write_new(path, stamped.model_dump_json(indent=2))  # loses to a concurrent creator's: matched below
         existing = StoreManifest.load(root)
-        diffs = existing.mismatches(self, accept_other_weights)
-        if diffs:
-            raise StoreMismatch(f"store {root} was written for other inputs: " + "; ".join(diffs),
-                                "use a new --store folder, or the model/layers/data it was made from")
+        existing.require_match(str(root), "use a new --store folder, or the model/layers/data it was made from", self,
+                               accept_other_weights=accept_other_weights)
         return existing
 
 
@@ -157,23 +176,6 @@ def _field_problem(err: dict) -> str:
 def weights_differ(stored: str | None, wanted: str | None) -> bool:
     """Whether two weight hashes tell of other weights; an unknown one (a store from before) tells nothing."""
     return stored is not None and wanted is not None and stored != wanted
-
-
-def require_same_weights(manifest: StoreManifest, location: str, model: str | Path, accept: bool) -> bool:
-    """Refuse verifier `model` if its weights differ from those the store was extracted with.
-
-    Same config and tokenizer do not make the same model: a fine-tune writes other states
-    under an identical identity otherwise. Returns whether they differ and `accept` takes them.
-    """
-    have = weights_hash(Path(model))
-    if not weights_differ(manifest.verifier_weights_hash, have):
-        return False
-    if not accept:
-        raise StoreMismatch(f"store {location} was extracted with other verifier weights than {model} "
-                            f"(store {manifest.verifier_weights_hash}, verifier {have})",
-                            "use the verifier the store was extracted with, or pass --accept-other-weights to "
-                            "mix in this one's states knowingly (the store's segments and the run record it)")
-    return True
 
 
 def default_store(model: str | Path, target_layer_ids: list[int], prepared_fingerprint: str) -> str:

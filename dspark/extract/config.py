@@ -99,6 +99,8 @@ class LaunchConfig:
     port: int | None = setting(None, "vLLM's --port, also accepted after `--` (default 8000).", ge=0)
     health_timeout: float = setting(1800.0, "Seconds to wait for /health.", gt=0)
     print_only: bool = setting(False, "Print the command, env and configs as JSON.", negatable=False)
+    # A deployment's vLLM flags (configs/*.yaml); the command line's, after `--`, come after them and win.
+    vllm_args: list[str] = setting(factory=list, cli=False)
     sink: SinkConfig = setting(factory=server_sinks, prefixed=False)
 
     def __post_init__(self):

@@ -51,12 +51,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> tuple[LaunchConfig, list[str]]:
-    """Our settings (flags, or `--config FILE`), and vLLM's flags (everything after the first `--`, verbatim)."""
+    """Our settings (flags, or `--config FILE`), and vLLM's flags: the config's `vllm_args`, then everything
+    after the first `--`, verbatim (vLLM's parser takes the last of a flag given twice)."""
     ours, vllm_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, LaunchConfig)
-    return parsed_config(LaunchConfig, p.parse_args(ours)), vllm_flags
+    cfg = parsed_config(LaunchConfig, p.parse_args(ours), section="launch-vllm")
+    return cfg, [*cfg.vllm_args, *vllm_flags]
 
 
 def num_hidden_layers(model: str, given: int | None, cache_dir: str | None = None, revision: str | None = None) -> int:

@@ -19,8 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspark.connector.base import open_sink
-from dspark.connector.manifest import (StoreManifest, codec_named, default_store, manifest_for_model,
-                                      require_same_weights)
+from dspark.connector.manifest import StoreManifest, codec_named, default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
 from dspark.connector.config import SinkConfig
@@ -87,8 +86,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
         raise InputError(f"store {out.store} was created with codec {existing.codec.name}, not {out.codec}: a "
                          "store keeps the codec it was created with",
                          f"drop --codec to extend it, or pass a new --store for {out.codec}")
-    if existing and require_same_weights(  # before the model loads; the sink checks again
-            existing, out.store, cfg.model, out.accept_other_weights):
+    if existing and existing.require_match(  # before the model loads; the sink checks again
+            out.store, "use a new --store folder, or the verifier it was made from", verifier=cfg.model,
+            accept_other_weights=out.accept_other_weights):
         print(f"store {out.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
               "the new segment records them (`dspark store info` lists it)", file=sys.stderr)
     planned = plan_batches(data, cfg.batch_tokens, cfg.max_batch_size)
@@ -163,10 +163,8 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
 
     s = ZarrStore(store)
     prepared = PreparedData(data)
-    if s.manifest.prepared_fingerprint != prepared.fingerprint:
-        raise StoreMismatch(f"store {store} was extracted from other prepared data than {data}",
-                            "pass --data the prepared folder the store was extracted from")
-    require_same_weights(s.manifest, store, model, accept_other_weights)
+    s.manifest.require_match(store, "pass --data the prepared folder the store was extracted from", verifier=model,
+                             accept_other_weights=accept_other_weights, prepared_fingerprint=prepared.fingerprint)
     found = check_store(s, len(prepared), progress=progress)
     todo = sorted(set(found.damaged) | set(found.missing))
     out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),

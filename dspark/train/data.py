@@ -49,9 +49,8 @@ class TrainData:
         if on_damaged not in ON_DAMAGED:
             raise InputError(f"--on-damaged {on_damaged!r} is not a policy", f"use one of {', '.join(ON_DAMAGED)}")
         m = source.manifest
-        if m.prepared_fingerprint != prepared.fingerprint:
-            raise StoreMismatch(f"the store was extracted from other prepared data than {prepared.path}",
-                                "pass the --data-path the store was extracted from")
+        m.require_match(source.location, f"pass the --data-path the store was extracted from ({prepared.path} is "
+                                         "other prepared data)", prepared_fingerprint=prepared.fingerprint)
         if not source.live and len(source.sample_ids) < len(prepared):
             raise StoreError(f"store {source.location} holds {len(source.sample_ids)} of the "
                              f"{len(prepared)} prepared samples",

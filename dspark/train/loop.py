@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from dspark.connector.base import SOURCES, Source
-from dspark.connector.manifest import default_store, manifest_for_model, require_same_weights
+from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.fingerprint import tokenizer_hash
 from dspark.prepare import PreparedData
@@ -83,22 +83,18 @@ def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
 
 
 def check_store(source, cfg: TrainConfig) -> None:
-    """The store must hold this verifier's states at these layers."""
+    """The store must hold this verifier's states, at least at the layers this drafter reads."""
     m = source.manifest
-    hidden_size = VerifierInfo.load(cfg.verifier_name_or_path).hidden_size
-    problems = []
-    if m.hidden_size != hidden_size:
-        problems.append(f"hidden size: store {m.hidden_size}, verifier {hidden_size}")
     if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
-        problems.append(f"layer ids: store {m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} "
-                        "(the store must hold each of them)")
-    if m.tokenizer_hash != tokenizer_hash(Path(cfg.verifier_name_or_path)):
-        problems.append("tokenizer hash differs from the verifier's")
-    if problems:
-        raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: "
-                            + "; ".join(problems), "train with the verifier and layer ids the store was extracted with")
-    if require_same_weights(m, cfg.store, cfg.verifier_name_or_path, cfg.accept_other_weights):
-        print(f"warning: store {cfg.store} was extracted with other verifier weights than {cfg.verifier_name_or_path}; "
+        raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: layer ids: store "
+                            f"{m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} (the store must "
+                            "hold each of them)", "train with the layer ids the store was extracted with")
+    verifier = cfg.verifier_name_or_path
+    hidden_size = VerifierInfo.load(verifier).hidden_size
+    if m.require_match(cfg.store, "train with the verifier the store was extracted with", verifier=verifier,
+                       accept_other_weights=cfg.accept_other_weights, hidden_size=hidden_size,
+                       tokenizer_hash=tokenizer_hash(Path(verifier))):
+        print(f"warning: store {cfg.store} was extracted with other verifier weights than {verifier}; "
               "training on it anyway (--accept-other-weights, recorded in the run's config)", file=sys.stderr)
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The offline variant: extract.sbatch, then train.sbatch once it succeeded (--dependency=afterok).
-# Every knob is an environment variable (scripts/slurm/common.sh); extra arguments go to both
+# Placement is environment variables (scripts/slurm/common.sh), the rest DSPARK_CONFIG; extra arguments go to both
 # sbatch calls (e.g. --partition gpu). Prints the two job ids.
 #   MODEL=... DATA_PATH=... bash scripts/slurm/offline.sh [sbatch flags]
 set -euo pipefail

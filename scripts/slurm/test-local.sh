@@ -15,22 +15,25 @@ W=$(mktemp -d /tmp/dspark-slurm-test.XXXXXX)
 t0=$SECONDS
 fail() { echo "FAIL: $*" >&2; for f in "$W"/work/run*/logs/*/*.log; do echo "--- $f" >&2; tail -n 25 "$f" >&2; done; exit 1; }
 
-# The toy inputs, and the toy values of every knob the recipes read (common.sh has the seed's).
+# The toy inputs, and the CPU deployment file (compose's; common.sh's default is the seed's), with two
+# trackers whose runs must continue across the cancel.
 OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" >/dev/null
 export OMP_NUM_THREADS=1
-.venv/bin/dspark prepare --model "$W/models/tiny" --data "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" \
-  --output "$W/prepared" --seq-length 512 --num-preprocessing-workers 2 --minimum-valid-tokens 16 \
+.venv/bin/dspark prepare --config configs/cpu.yaml --model "$W/models/tiny" --output "$W/prepared" \
+  --data "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" \
   >/dev/null 2>"$W/prepare.log" || fail "prepare: $(tail -n 5 "$W/prepare.log")"
+export DSPARK_CONFIG=$W/config.yaml
+.venv/bin/python - configs/cpu.yaml "$DSPARK_CONFIG" <<'PY'
+import sys, yaml
+config = yaml.safe_load(open(sys.argv[1]))
+config["train"]["tracking"] = {"logger": "tensorboard,mlflow"}
+yaml.safe_dump(config, open(sys.argv[2], "w"))
+PY
 # Ports outside the kernel's ephemeral range, which no connection can take before its server binds it.
 read -r MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT < <(.venv/bin/python -m dspark.net 4)
 # The live server is the seed's pair on one node: TP 2, rank 1 --headless (gloo between them).
-export MODEL=$W/models/tiny DATA_PATH=$W/prepared TARGET_LAYER_IDS="1 3 5" EXTRACT_NODES=2 EXTRACT_TP=2 \
-  VLLM_CPU_OMP_THREADS_BIND=nobind \
-  EXTRACT_ARGS="--enforce-eager --max-model-len 1024" HEALTH_TIMEOUT=300 \
-  MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT \
-  MOONCAKE_GLOBAL_SEGMENT_GIB=0 MOONCAKE_LOCAL_BUFFER_GIB=0.25 MOONCAKE_WRITER_THREADS=2 TRAIN_SEGMENT_GIB=0.25 \
-  TRAIN_NPROC=1 EPOCHS=2 LR=3e-3 STOP_GRACE=30 LOGGER=tensorboard,mlflow \
-  TRAIN_ARGS="--max-anchors 64 --markov-rank 32 --enable-confidence-head --confidence-head-with-markov --checkpoint-freq 0.25 --log-freq 5 --seed 0"
+export MODEL=$W/models/tiny DATA_PATH=$W/prepared EXTRACT_NODES=2 EXTRACT_TP=2 VLLM_CPU_OMP_THREADS_BIND=nobind \
+  HEALTH_TIMEOUT=300 MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT TRAIN_NPROC=1 STOP_GRACE=30
 echo "toy inputs ready in $((SECONDS - t0))s ($W)"
 
 # servers_left: the job's servers still running anywhere on this node (none may outlive a job). A zombie
