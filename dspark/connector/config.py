@@ -148,6 +148,13 @@ class SinkConfig:
         """These sinks bound to one prepared data set."""
         return replace(self, prepared_fingerprint=prepared_fingerprint, rewrite=sorted(rewrite))
 
+    def open(self, manifest):
+        """The one sink factory: the sinks `to` names, for samples of `manifest` (a tee when several)."""
+        from dspark.connector.base import open_sink  # the backends load at first use, not with the settings
+
+        return open_sink(self.to, store=self.store, manifest=manifest, mooncake=self.mooncake, rewrite=self.rewrite,
+                         accept_other_weights=self.accept_other_weights)
+
     def to_extra_config(self) -> dict:
         return asdict(self)
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from numbers import Integral
 
-from dspark.connector.base import Sink, close_all, open_sink
+from dspark.connector.base import Sink, close_all
 from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import StoreManifest, manifest_for_model
 from dspark.connector.mooncake import sample_key, transfer_params
@@ -87,10 +87,7 @@ class Producer:
         manifest = self.manifest(prepared_fingerprint)
         with self._lock:
             if prepared_fingerprint not in self._sinks:
-                c = self.config
-                self._sinks[prepared_fingerprint] = open_sink(c.to, store=c.store, manifest=manifest,
-                                                              mooncake=c.mooncake, rewrite=c.rewrite,
-                                                              accept_other_weights=c.accept_other_weights)
+                self._sinks[prepared_fingerprint] = self.config.open(manifest)
             return self._sinks[prepared_fingerprint]
 
     def flush(self) -> None:

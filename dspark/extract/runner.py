@@ -18,7 +18,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dspark.connector.base import open_sink
 from dspark.connector.manifest import StoreManifest, codec_named, default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
@@ -109,8 +108,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, out.encoding, out.chunk_tokens,
                                   out.verifier_name, engine.dtype_name, cfg.trust_remote_code, out.codec)
 
-    sink = open_sink(out.to, store=out.store, manifest=manifest, mooncake=out.mooncake, rewrite=rewrite,
-                     accept_other_weights=out.accept_other_weights)
+    sink = sinks.open(manifest)
     tokens, t0 = 0, time.perf_counter()
     try:
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
