@@ -15,6 +15,10 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
+
+from dspark.errors import InputError
+from dspark.settings import add_arguments, parsed_config, setting
 
 # Kernel-chosen ports (connect()'s source ports, bind to port 0) come from this range on Linux.
 _EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -87,19 +91,29 @@ def wait(url: str, timeout: float, pid: int | None = None, name: str | None = No
     return None
 
 
+@dataclass
+class WaitConfig:
+    """`python -m dspark.net wait`: exit 0 once a server answers."""
+
+    url: str = setting(help="http(s)://HOST:PORT/PATH (a 2xx) or tcp://HOST:PORT (a connection).", positional=True)
+    timeout: float = setting(0.0, "Seconds to keep trying (0: one probe).", ge=0)
+    pid: int | None = setting(None, "Fail as soon as this process (the server starting) exits.", ge=1)
+    name: str | None = setting(None, "What the error line calls the server.")
+
+
 def _main(argv: list[str]) -> int:
     if argv[:1] != ["wait"]:
         print(*(free_port("") for _ in range(int(argv[0]) if argv else 1)))
         return 0
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m dspark.net wait", description="Exit 0 once URL answers.")
-    p.add_argument("url", help="http(s)://HOST:PORT/PATH (a 2xx) or tcp://HOST:PORT (a connection)")
-    p.add_argument("--timeout", type=float, default=0.0, help="Seconds to keep trying (0: one probe).")
-    p.add_argument("--pid", type=int, help="Fail as soon as this process (the server starting) exits.")
-    p.add_argument("--name", help="What the error line calls the server.")
-    args = p.parse_args(argv[1:])
-    why = wait(args.url, args.timeout, args.pid, args.name)
+    parser = argparse.ArgumentParser(prog="python -m dspark.net wait", description=WaitConfig.__doc__)
+    add_arguments(parser, WaitConfig, config_file=False)
+    try:
+        cfg = parsed_config(WaitConfig, parser.parse_args(argv[1:]))
+        why = wait(cfg.url, cfg.timeout, cfg.pid, cfg.name)
+    except InputError as e:
+        why = str(e)
     if why:
         print(f"error: {why}", file=sys.stderr)
     return 1 if why else 0

@@ -304,16 +304,17 @@ def load_config_file(path: str | Path, cls, section: str | None = None) -> dict[
 # --- argparse, for entry points that run where click may be missing (vLLM's environment) ------------
 
 
-def add_arguments(parser, cls) -> None:
-    """One argparse argument per leaf setting of `cls` that has one, plus `--config FILE`.
+def add_arguments(parser, cls, config_file: bool = True) -> None:
+    """One argparse argument per leaf setting of `cls` that has one, plus `--config FILE` (`config_file`).
 
     Unset arguments stay unset (`SUPPRESS`), so `parsed_config` fills them from the file, then from the
     settings' own defaults: each default stays written once, on the setting.
     """
     import argparse
 
-    parser.add_argument("--config", dest="config_file", default=None, metavar="FILE",
-                        help="YAML or JSON file of settings; flags override it.")
+    if config_file:
+        parser.add_argument("--config", dest="config_file", default=None, metavar="FILE",
+                            help="YAML or JSON file of settings; flags override it.")
     for leaf in cli_leaves(cls):
         meta, base = leaf.meta, base_type(leaf.hint)
         dest = SEP.join(leaf.path)
