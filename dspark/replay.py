@@ -42,7 +42,7 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
 def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True,
            logger: str = ALWAYS) -> dict:
     """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `logger` names some."""
-    from dspark.connector.zarr_store import ZarrStore
+    from dspark.connector.zarr.reader import ZarrStore
     from dspark.train.loop import Trainer
 
     rd = RunDir(run)

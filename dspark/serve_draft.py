@@ -27,7 +27,7 @@ from typing import Literal
 from dspark.settings import check_settings, setting
 from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
 from dspark.errors import InputError
-from dspark.model_card import dflash_note, speculative_config
+from dspark.export.serving import dflash_note, speculative_config
 from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, run_server
 
 # vLLM flags serve-draft sets itself: refused after `--`.

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from dspark.connector.manifest import manifest_for_model
-from dspark.connector.zarr_store import ZarrSink
+from dspark.connector.zarr.writer import ZarrSink
 from dspark.extract.runner import plan_batches
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json

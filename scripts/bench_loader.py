@@ -27,7 +27,8 @@ import torch
 
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest, default_chunk_tokens
-from dspark.connector.zarr_store import ZarrSink, ZarrStore
+from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.zarr.writer import ZarrSink
 from dspark.prepare import PreparedData
 from dspark.train.data import Loader, TrainData
 

@@ -29,7 +29,10 @@ import torch
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.config import MasterConfig
-from dspark.connector.mooncake import MooncakeConfig, MooncakeReader, MooncakeSink, connect, master_binary
+from dspark.connector.config import MooncakeConfig
+from dspark.connector.mooncake.client import connect, master_binary
+from dspark.connector.mooncake.reader import MooncakeReader
+from dspark.connector.mooncake.sink import MooncakeSink
 from dspark.net import free_port, wait
 
 
@@ -110,7 +113,7 @@ def synthetic(manifest: StoreManifest, size_mb: float, budget_mb: float, max_sam
 
 
 def from_source(source: str, samples: int, join: int):
-    from dspark.connector.zarr_store import ZarrStore
+    from dspark.connector.zarr.reader import ZarrStore
 
     z = ZarrStore(source)
     stored = list(z.iter_samples(z.sample_ids[: samples * join]))

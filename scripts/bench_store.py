@@ -140,7 +140,7 @@ def run_layout(layout: str, samples_file: Path, scratch: Path, workers: list[int
     else:
         from dspark.connector.base import Sample
         from dspark.connector.manifest import StoreManifest, default_chunk_tokens
-        from dspark.connector.zarr_store import ZarrSink
+        from dspark.connector.zarr.writer import ZarrSink
 
         encoding = "fp8_e4m3" if layout.startswith("fp8") else "raw"
         per_token = L * H * (1 if encoding == "fp8_e4m3" else 2)
@@ -189,7 +189,7 @@ def open_reader(layout: str, scratch: Path):
         from safetensors.torch import load
 
         return lambda i: load((scratch / f"{i}.safetensors").read_bytes())["hidden_states"]
-    from dspark.connector.zarr_store import ZarrStore
+    from dspark.connector.zarr.reader import ZarrStore
 
     store = ZarrStore(scratch)
     return lambda i: store.read(i).hidden_states
@@ -254,7 +254,7 @@ def make_samples(args, path: Path) -> tuple[int, list[str]]:
     rng = np.random.default_rng(0)
     if args.source:
         sys.path.insert(0, str(ROOT))
-        from dspark.connector.zarr_store import ZarrStore
+        from dspark.connector.zarr.reader import ZarrStore
 
         got = list(ZarrStore(args.source).iter_samples())
         T = min(len(s.token_ids) for s in got)

@@ -36,7 +36,7 @@ fi
 dspark store verify "$W/vllm" --no-progress
 .venv/bin/python - "$W" <<'PY'
 import sys
-from dspark.connector.zarr_store import ZarrStore
+from dspark.connector.zarr.reader import ZarrStore
 v, t = ZarrStore(f"{sys.argv[1]}/vllm"), ZarrStore(f"{sys.argv[1]}/ref")
 assert v.sample_ids == t.sample_ids
 worst = max((v.read(i).hidden_states - t.read(i).hidden_states).abs().max().item() for i in v.sample_ids)

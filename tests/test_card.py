@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import hf_cache_model, wait_for
-from dspark.connector.mooncake import master_binary
-from dspark.model_card import docker_command
+from dspark.connector.mooncake.client import master_binary
+from dspark.export.serving import docker_command
 from dspark.net import free_port
 from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
 from dspark.train.config import TrainConfig

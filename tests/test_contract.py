@@ -15,11 +15,15 @@ import torch
 
 from test_live import small_cfg, start_master, stop
 import dspark.connector  # noqa: F401  (registers every sink and source)
-from dspark.connector.base import SINKS, SOURCES, Sample, Sink, Source, open_sink
+from dspark.connector.base import Sample, Sink, Source, open_sink
+from dspark.connector.registry import SINKS, SOURCES
 from dspark.connector.live import LiveConfig
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.mooncake import MooncakeReader, ProducerFailed, connect, sample_key
-from dspark.connector.zarr_store import ZarrStore
+from dspark.connector.mooncake.client import connect
+from dspark.connector.mooncake.errors import ProducerFailed
+from dspark.connector.mooncake.reader import MooncakeReader
+from dspark.connector.mooncake.wire import sample_key
+from dspark.connector.zarr.reader import ZarrStore
 
 SINK_SPECS = [*sorted(SINKS), "zarr,mooncake"]
 IDS = [0, 1, 2, 3]

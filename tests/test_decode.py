@@ -16,7 +16,7 @@ from dspark.decode.report import difference, summarize
 from dspark.decode.config import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.errors import InputError
-from dspark.evaluate import load_checkpoint
+from dspark.eval.teacher_forced import load_checkpoint
 from dspark.prepare import PreparedData
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from dspark.evaluate import allocate_anchors, run_eval
+from dspark.eval.teacher_forced import allocate_anchors, run_eval
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import LAYERS, run_cli
-from dspark.connector.zarr_store import INDEX_RECORD, ZarrStore
+from dspark.connector.zarr.format import INDEX_RECORD
+from dspark.connector.zarr.reader import ZarrStore
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
 from dspark.extract.transformers_engine import TransformersEngine
@@ -139,7 +140,8 @@ def test_store_of_other_inputs_is_refused(verifier, prepared, store, tmp_path):
 
 
 def test_extract_codec_is_recorded_a_store_keeps_its_own_and_the_card_repeats_it(verifier, prepared, tmp_path):
-    from dspark.model_card import Provenance, extract_command
+    from dspark.export.commands import extract_command
+    from dspark.export.provenance import Provenance
 
     root = tmp_path / "lz4"
     args = ["extract", "--model", verifier, "--data", prepared, "--store", root, "--target-layer-ids", *LAYERS,

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 from conftest import LAYERS, run_cli, train_cfg
-from dspark.connector.zarr_store import INDEX_RECORD, ZarrSink, ZarrStore, check_store
+from dspark.connector.zarr.format import INDEX_RECORD
+from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.zarr.verify import verify_store
+from dspark.connector.zarr.writer import ZarrSink
 from dspark.errors import DamagedSample, StoreError, StoreMismatch
 from dspark.prepare import PreparedData
 from test_store import make_sample, manifest, write
@@ -84,7 +87,7 @@ def test_a_damaged_index_record_hides_nothing_after_it(tmp_path):
     assert store.sample_ids == [i for i in range(40) if i != 10]  # 29 records after the damaged one still read
     assert store.damaged_records == [(seg, 10 * INDEX_RECORD.size, 29)]
     assert all(store.damaged(i) is None for i in store.sample_ids)
-    found = check_store(store)
+    found = verify_store(store)
     assert found.damaged_records == [(seg, 320, 29)] and found.problems == [
         "1 damaged index records: the samples they held may be missing"]
     proc = run_cli("store", "verify", tmp_path, "--no-progress", check=False)
@@ -141,7 +144,7 @@ def test_a_rewritten_copy_wins_over_the_damaged_one_and_healthy_segments_stay_un
     for i in range(30):
         assert torch.equal(store.read(i).hidden_states, make_sample(i).hidden_states)
         assert torch.equal(store.read(i, check=False).hidden_states, make_sample(i).hidden_states)
-    assert check_store(store).problems == []
+    assert verify_store(store).problems == []
 
 
 def test_chunks_that_are_not_regular_files_or_too_long_are_damaged_samples_never_read_whole(tmp_path):
@@ -344,7 +347,7 @@ def test_extract_resume_re_extracts_lost_chunks_and_says_so(store, prepared, ver
                         target_layer_ids=LAYERS, batch_tokens=1024)
     out = run_extract(cfg, progress=False)
     assert out["repaired"] == len(lost) and out["extracted"] >= len(lost)
-    assert check_store(ZarrStore(root), len(PreparedData(prepared))).problems == []
+    assert verify_store(ZarrStore(root), len(PreparedData(prepared))).problems == []
     assert run_extract(cfg, progress=False)["extracted"] == 0
 
 
@@ -354,10 +357,10 @@ def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifie
     pytest.importorskip("mooncake.store", reason="install the mooncake extra")
     import signal
 
-    from dspark.connector.base import SOURCES
+    from dspark.connector.registry import SOURCES
     from dspark.connector.live import LiveConfig
     from dspark.connector.manifest import manifest_for_model
-    from dspark.connector.mooncake import MooncakeConfig
+    from dspark.connector.config import MooncakeConfig
     from test_live import start_extractor, start_master, stop
 
     master_proc, master = start_master(tmp_path)
@@ -417,7 +420,7 @@ def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_un
     from dspark.connector.config import SinkConfig
     from dspark.extract.config import ExtractConfig
     from dspark.extract.runner import run_extract
-    from dspark.train.loop import check_store as check_train_store
+    from dspark.train.loop import require_matching_store
 
     root = tmp_path / "store"
     shutil.copytree(store, root)
@@ -435,10 +438,10 @@ def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_un
         run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared), sink=SinkConfig(store=str(root)),
                                   target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     with pytest.raises(StoreMismatch, match="other verifier weights"):
-        check_train_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))
+        require_matching_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))
     assert files(root) == before  # nothing written
     accepted = train_cfg(root, prepared, other_verifier, tmp_path / "run", accept_other_weights=True)
-    check_train_store(ZarrStore(root), accepted)
+    require_matching_store(ZarrStore(root), accepted)
     assert accepted.to_dict()["accept_other_weights"] is True  # what the run records in its config.json
     out = json.loads(run_cli(*repair, "--accept-other-weights").stdout)
     assert out["re_extracted"] == sorted(lost)

@@ -12,7 +12,7 @@ from dspark.decode.drafter import Drafter, drafter_for
 from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
-from dspark.evaluate import load_checkpoint
+from dspark.eval.teacher_forced import load_checkpoint
 
 
 @pytest.fixture(scope="module")

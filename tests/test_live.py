@@ -17,13 +17,17 @@ import pytest
 import torch
 
 from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
-from dspark.connector.base import SOURCES, Sample
+from dspark.connector.base import Sample
+from dspark.connector.registry import SOURCES
 from dspark.connector.live import LiveConfig, LiveSourceDown
 from dspark.connector.manifest import StoreManifest, manifest_for_model
-from dspark.connector.mooncake import (CorruptObject, MooncakeConfig, MooncakeFull, MooncakeReader, MooncakeSink,
-                                       MooncakeUnavailable, connect, master_binary, object_key, pack,
-                                       sample_key)
-from dspark.connector.zarr_store import ZarrStore
+from dspark.connector.config import MooncakeConfig
+from dspark.connector.mooncake.client import connect
+from dspark.connector.mooncake.errors import CorruptObject, MooncakeFull, MooncakeUnavailable
+from dspark.connector.mooncake.reader import MooncakeReader
+from dspark.connector.mooncake.sink import MooncakeSink
+from dspark.connector.mooncake.wire import object_key, pack, sample_key
+from dspark.connector.zarr.reader import ZarrStore
 from dspark.net import free_port
 from dspark.prepare import PreparedData
 
@@ -443,7 +447,7 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
 
 
 def test_an_object_that_vanished_is_named_as_such(master):
-    from dspark.connector.mooncake import ObjectGone
+    from dspark.connector.mooncake.errors import ObjectGone
 
     reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master))
     with pytest.raises(ObjectGone, match="lease expired"):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LAYERS, fit, run_cli, train_cfg
-from dspark.export import export
+from dspark.export.folder import export
 
 VERIFIER = "Org/Tiny"
 # An absolute path: a "/" not inside a word, a URL or a placeholder. `/drafter` is the folder inside the container.
@@ -18,7 +18,7 @@ ABSOLUTE = re.compile(r"(?<![\w.:/<>~-])[~.]{0,2}/[\w.@+-]+")
 @pytest.fixture(scope="module")
 def run(store, prepared, verifier, tmp_path_factory):
     """A short run with settings of its own (block size 6, Markov rank 8), its latest checkpoint evaluated."""
-    from dspark.evaluate import run_eval
+    from dspark.eval.teacher_forced import run_eval
 
     c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("card") / "run", block_size=6, markov_rank=8,
                   max_anchors=16, epochs=1, checkpoint_freq=0.5, log_freq=2)
@@ -152,7 +152,8 @@ def test_checkpoint_without_anchor_sampling_outside_a_run(run, tmp_path):
 
 
 def test_train_command_of_a_live_distributed_run():
-    from dspark.model_card import Provenance, train_command
+    from dspark.export.commands import train_command
+    from dspark.export.provenance import Provenance
     from dspark.train.config import TrainConfig
 
     t = TrainConfig(data_path="/data/p", verifier_name_or_path="/models/v", save_path="/runs/r",

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import fit, run_cli, wait_for
 from dspark.errors import CheckpointError, InputError, TrainingDiverged
-from dspark.evaluate import run_eval
-from dspark.export import export
+from dspark.eval.teacher_forced import run_eval
+from dspark.export.folder import export
 from dspark.fsio import temp_path
 from dspark.train.checkpoint import RunDir
 from dspark.train.loop import Trainer

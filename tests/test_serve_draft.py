@@ -12,7 +12,7 @@ from conftest import run_cli
 from dspark.settings import build
 from dspark.decode.config import PromptLookupConfig
 from dspark.errors import InputError
-from dspark.export import export
+from dspark.export.folder import export
 from dspark.serve_draft import ServeDraftConfig, choose, plan
 
 

@@ -68,9 +68,9 @@ BLOCK_CLICK = "import sys; sys.modules['click'] = None\n"
 
 def test_the_connector_and_settings_import_without_click_or_the_cli():
     code = BLOCK_CLICK + (
-        "import dspark.settings, dspark.connector.config, dspark.connector.base, dspark.connector.zarr_store\n"
-        "import dspark.connector.mooncake, dspark.connector.live, dspark.connector.producer\n"
-        "from dspark.connector.base import SINKS, SOURCES\n"
+        "import dspark.settings, dspark.connector.config, dspark.connector.base, dspark.connector.zarr.writer\n"
+        "import dspark.connector.mooncake.sink, dspark.connector.live, dspark.connector.producer\n"
+        "from dspark.connector.registry import SINKS, SOURCES\n"
         "assert sorted(SINKS) == ['mooncake', 'zarr'] and sorted(SOURCES) == ['mooncake', 'zarr']\n"
         "assert not any(m.startswith('dspark.cli') for m in sys.modules), sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
@@ -87,7 +87,7 @@ def test_reading_a_setting_loads_no_backend():
     """The registries import their backends at the first lookup, so reading configs stays light."""
     code = ("import sys, dspark.cli\nassert 'torch' not in sys.modules, 'dspark --help must not load torch'\n"
             "import dspark.connector.base\n"
-            "assert 'dspark.connector.zarr_store' not in sys.modules and 'zarr' not in sys.modules\n")
+            "assert 'dspark.connector.zarr.reader' not in sys.modules and 'zarr' not in sys.modules\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -9,7 +9,8 @@ import torch
 from conftest import run_cli
 from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.zarr_store import ZarrSink, ZarrStore
+from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.zarr.writer import ZarrSink
 from dspark.errors import StoreError, StoreMismatch
 
 L, H = 4, 32

@@ -114,7 +114,7 @@ def test_export_reloads_identically_without_local_paths(reference_run, tmp_path)
     text = (out / "config.json").read_text()
     assert str(c.verifier_name_or_path) not in text and "/tmp" not in text
     assert json.loads(text)["speculators_config"]["verifier"]["name_or_path"] == "Org/Tiny"
-    from dspark.evaluate import load_checkpoint
+    from dspark.eval.teacher_forced import load_checkpoint
 
     model = load_checkpoint(out, c.verifier_name_or_path, torch.device("cpu"))
     assert isinstance(model, DSparkDraftModel)

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from conftest import LAYERS, run_cli, wait_for, write_jsonl
-from dspark.connector.zarr_store import ZarrStore
+from dspark.connector.zarr.reader import ZarrStore
 from dspark.toy import demo_chat_path
 from test_live import VLLM_PY
 

@@ -152,7 +152,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict
 
     from dspark.bench.report import markdown, plot
     from dspark.decode.prompts import load_prompt_set
-    from dspark.evaluate import write_report
+    from dspark.eval.report import write_report
     from dspark.hub import local_model
     from dspark.prepare import load_tokenizer
 

@@ -6,13 +6,13 @@ import click
 
 from dspark.cli.app import Progress, command, local, main
 from dspark.decode.config import CompareConfig, EvalConfig
-from dspark.export import ExportConfig
+from dspark.export.folder import ExportConfig
 
 
 @command(main, "eval", EvalConfig, Progress)
 def eval_cmd(cfg: EvalConfig, shown: Progress):
     """Per-position acceptance, tau, and tau by context length (JSON, Markdown, PNG); --decode adds real decoding."""
-    from dspark.evaluate import markdown, run_eval
+    from dspark.eval.teacher_forced import markdown, run_eval
 
     verifier = local(cfg.verifier_name_or_path)
     if cfg.decode:  # its mistakes are one line before the teacher-forced pass, not after it
@@ -51,7 +51,7 @@ def compare(cfg: CompareConfig, shown: Progress):
 @command(main, "export", ExportConfig)
 def export(cfg: ExportConfig):
     """Write a vLLM-loadable drafter folder and print its `vllm serve` line."""
-    from dspark.export import export as run
+    from dspark.export.folder import export as run
 
     result = run(cfg.checkpoint, cfg.output, cfg.verifier_name, cfg.force)
     click.echo(result["serve"])

@@ -66,7 +66,7 @@ def mooncake_master(cfg: MasterConfig):
     import os
     import shlex
 
-    from dspark.connector.mooncake import master_binary
+    from dspark.connector.mooncake.client import master_binary
 
     argv = [master_binary(), *cfg.argv()]
     if cfg.print_only:
@@ -83,7 +83,7 @@ def store():
 @command(store, "info", StorePath)
 def store_info(cfg: StorePath):
     """Samples, tokens, raw vs on-disk bytes, ratio and the manifest."""
-    from dspark.connector.zarr_store import ZarrStore
+    from dspark.connector.zarr.reader import ZarrStore
 
     echo_json(ZarrStore(cfg.path).info())
 
@@ -92,7 +92,8 @@ def store_info(cfg: StorePath):
 def store_verify(cfg: StoreCheck, shown: Progress):
     """Read every sample back against its checksum, report damaged index records and, with --data,
     missing samples; non-zero exit on any of them."""
-    from dspark.connector.zarr_store import ZarrStore, check_store
+    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.zarr.verify import verify_store
     from dspark.errors import StoreError, repair_command
     from dspark.prepare import PreparedData
 
@@ -102,7 +103,7 @@ def store_verify(cfg: StoreCheck, shown: Progress):
     if prepared:
         s.manifest.require_match(path, f"pass --data the prepared folder the store was extracted from ({data} is other "
                                  "prepared data)", prepared_fingerprint=prepared.fingerprint)
-    found = check_store(s, len(prepared) if prepared else None, progress=not shown.no_progress)
+    found = verify_store(s, len(prepared) if prepared else None, progress=not shown.no_progress)
     for i in sorted(found.damaged)[:20]:
         click.echo(f"sample {i}: {found.damaged[i]}", err=True)
     for seg, off, after in found.damaged_records[:20]:

@@ -1,4 +1,4 @@
-"""The connector's seams: one sample type, the `Sink` and `Source` interfaces, their registries.
+"""The connector's seams: one sample type, the `Sink` and `Source` interfaces (registry.py finds them by name).
 
 Producers (the transformers engine, `dspark serve`, the vLLM KV connector) hand
 each finished sample to a sink; the trainer and eval read samples back through a
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol
@@ -47,8 +46,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from dspark.connector.config import SINK_MODULES, parse_names
 from dspark.connector.manifest import StoreManifest
+from dspark.connector.registry import SINKS
 
 
 @dataclass
@@ -193,55 +192,6 @@ class PromptSet(Protocol):
     def token_ids(self, sample_id: int) -> np.ndarray: ...
 
 
-class Registry(dict):
-    """Name -> factory; registering a name twice is a bug, not an override.
-
-    The backends register themselves when their module is imported, and a registry imports
-    them (`backends`: name -> module) at its first lookup, not before: reading a config or
-    loading our connector into vLLM does not pay for every backend's imports.
-    """
-
-    def __init__(self, kind: str, flag: str, backends: dict[str, str] | None = None):
-        super().__init__()
-        self.kind, self.flag, self._backends = kind, flag, dict(backends or {})
-
-    def _load(self) -> None:
-        import importlib
-
-        while self._backends:
-            importlib.import_module(self._backends.popitem()[1])
-
-    def register(self, name: str):
-        def deco(factory: Callable):
-            if dict.__contains__(self, name):
-                raise ValueError(f"{self.kind} {name!r} is registered twice ({self[name]} and {factory})")
-            self[name] = factory
-            return factory
-        return deco
-
-    def __getitem__(self, name: str):
-        self._load()
-        return super().__getitem__(name)
-
-    def __contains__(self, name) -> bool:
-        self._load()
-        return super().__contains__(name)
-
-    def __iter__(self):
-        self._load()
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        self._load()
-        return super().__len__()
-
-    def parse(self, spec: str) -> list[str]:
-        return parse_names(spec, self, self.flag)
-
-
-SINKS = Registry("sink", "--to", SINK_MODULES)
-SOURCES = Registry("source", "--from", {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.live"})
-register_sink, register_source = SINKS.register, SOURCES.register
 
 
 def open_sink(spec: str, **options) -> Sink:

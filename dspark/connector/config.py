@@ -12,17 +12,8 @@ from typing import Literal
 
 from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.errors import InputError
+from dspark.connector.registry import SINK_MODULES, parse_names
 from dspark.settings import setting
-
-
-def parse_names(spec: str, known, flag: str) -> list[str]:
-    """`zarr,mooncake` as its names, each one of `known`; else one line naming the unknown ones."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if not names or unknown:
-        raise InputError(f"unknown {flag} value(s) {unknown or spec!r}",
-                         f"use one or more of {sorted(known)}, comma-separated")
-    return names
 
 
 MASTER_PORT = 50051  # Mooncake's own default
@@ -95,8 +86,6 @@ class LiveConfig:
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
 
 
-# The sink backends by name, and the module registering each (dspark.connector.base imports it at first use).
-SINK_MODULES = {"zarr": "dspark.connector.zarr_store", "mooncake": "dspark.connector.mooncake"}
 Codec = Literal[tuple(CODECS)]
 ACCEPT_OTHER_WEIGHTS = ("Write into a store extracted with a verifier of other weights (same config): its new "
                         "segment records them, and `dspark store info` lists it.")

@@ -41,10 +41,13 @@ import urllib.request
 import numpy as np
 
 from dspark.connector.config import LiveConfig
-from dspark.connector.base import PromptSet, Sample, Source, register_source
+from dspark.connector.base import PromptSet, Sample, Source
+from dspark.connector.registry import register_source
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.mooncake import CorruptObject, MooncakeError, MooncakeReader, ProducerFailed
-from dspark.connector.zarr_store import ZarrSink, ZarrStore
+from dspark.connector.mooncake.errors import CorruptObject, MooncakeError, ProducerFailed
+from dspark.connector.mooncake.reader import MooncakeReader
+from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.zarr.writer import ZarrSink
 from dspark.errors import DamagedSample, DsparkError, StoreError
 
 log = logging.getLogger("dspark.live")

@@ -19,7 +19,7 @@ from numbers import Integral
 from dspark.connector.base import Sink, close_all
 from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import StoreManifest, manifest_for_model
-from dspark.connector.mooncake import sample_key, transfer_params
+from dspark.connector.mooncake.wire import sample_key, transfer_params
 from dspark.errors import InputError
 
 # Each data set gets its own manifest and sinks (a Mooncake sink is a client that mounts

@@ -13,7 +13,7 @@ from typing import Literal
 from dspark.settings import check_settings, setting
 from dspark.decode.prompts import parse_spec
 from dspark.errors import InputError
-from dspark.evaluate import ANCHOR_SEED, MAX_ANCHORS
+from dspark.eval.teacher_forced import ANCHOR_SEED, MAX_ANCHORS
 
 Layout = Literal["dspark", "dflash-v1"]
 DraftSample = Literal["probabilistic", "greedy"]

@@ -10,7 +10,7 @@ import torch
 
 from dspark.decode.config import DecodeConfig
 from dspark.errors import InputError
-from dspark.model_card import EVAL_DIR
+from dspark.eval.report import EVAL_DIR
 
 
 def _sampling(cfg: DecodeConfig) -> str:
@@ -74,7 +74,8 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.decode.prompts import LONG_BUCKETS, load_prompt_set
     from dspark.decode.report import long_context_rows, markdown, plot, tracked
     from dspark.decode.verifier import Verifier
-    from dspark.evaluate import load_checkpoint, write_report
+    from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.eval.report import write_report
     from dspark.prepare import load_tokenizer
     from dspark.tracking.run import log_results
     from dspark.train.checkpoint import require_checkpoint

@@ -19,7 +19,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from dspark.connector.base import Registry, Sink
+from dspark.connector.base import Sink
+from dspark.connector.registry import Registry
 from dspark.connector.config import SinkConfig
 
 

@@ -57,7 +57,8 @@ def _existing_store(out: SinkConfig) -> bool:
 
 def _stored_damage(out: SinkConfig) -> tuple[dict[int, str], int]:
     """(stored samples whose chunk files are missing or truncated, damaged index records) of an existing store."""
-    from dspark.connector.zarr_store import ZarrStore, repaired_records
+    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.zarr.verify import repaired_records
 
     if not _existing_store(out):
         return {}, 0
@@ -129,7 +130,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
             sink.close()
     elapsed = time.perf_counter() - t0
     if (engine.writes_elsewhere or rewrite) and out.store and out.needs_store:  # check, never assume
-        from dspark.connector.zarr_store import ZarrStore
+        from dspark.connector.zarr.reader import ZarrStore
 
         stored = ZarrStore(out.store)
         missing = [i for b in todo for i in b if i not in stored]
@@ -151,19 +152,20 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
                accept_other_weights: bool = False) -> dict:
     """Re-extract exactly the damaged and missing samples of a store into a new segment.
 
-    Reads every sample back (`check_store`), then runs the extraction with the
+    Reads every sample back (`verify_store`), then runs the extraction with the
     store's own layers, encoding, chunking and dtype, rewriting only those ids; the
     batches are planned as `dspark extract` plans them, so with the original
     --batch-tokens/--max-batch-size the new copies are byte-identical on CPU. A verifier with
     other weights than the store's is refused before anything is read, unless accepted.
     """
-    from dspark.connector.zarr_store import ZarrStore, check_store, note_repair
+    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.zarr.verify import note_repair, verify_store
 
     s = ZarrStore(store)
     prepared = PreparedData(data)
     s.manifest.require_match(store, "pass --data the prepared folder the store was extracted from", verifier=model,
                              accept_other_weights=accept_other_weights, prepared_fingerprint=prepared.fingerprint)
-    found = check_store(s, len(prepared), progress=progress)
+    found = verify_store(s, len(prepared), progress=progress)
     todo = sorted(set(found.damaged) | set(found.missing))
     out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),
            "damaged_index_records": len(found.damaged_records), "re_extracted": todo[:100]}
@@ -175,7 +177,7 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
                             batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                             trust_remote_code=trust_remote_code, sink=sinks)
         out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
-    after = check_store(ZarrStore(store), len(prepared), ids=todo)
+    after = verify_store(ZarrStore(store), len(prepared), ids=todo)
     if after.damaged or after.missing:
         raise StoreError(f"store {store} still has problems after the repair: " + "; ".join(after.problems),
                          f"see the log above, then rerun {repair_command(store, data, model)}")

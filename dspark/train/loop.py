@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.connector.base import SOURCES, Source
+from dspark.connector.base import Source
+from dspark.connector.registry import SOURCES
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.fingerprint import tokenizer_hash
@@ -82,7 +83,7 @@ def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
     return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=cfg.live)
 
 
-def check_store(source, cfg: TrainConfig) -> None:
+def require_matching_store(source, cfg: TrainConfig) -> None:
     """The store must hold this verifier's states, at least at the layers this drafter reads."""
     m = source.manifest
     if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
@@ -134,7 +135,7 @@ class Trainer:
         if cfg.store is None:  # resolved here, so the run's record names the folder it used
             cfg.store = default_store(cfg.verifier_name_or_path, cfg.target_layer_ids, self.prepared.fingerprint)
         self.source = open_source(cfg, self.prepared)
-        check_store(self.source, cfg)
+        require_matching_store(self.source, cfg)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,
                               cfg.on_damaged, cfg.verifier_name_or_path, int(cfg.keep_in_memory_gib * 2**30),
                               cfg.target_layer_ids)

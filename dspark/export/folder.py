@@ -7,7 +7,7 @@ leaves any others in place. Every file is written new and renamed into place: a 
 folder is replaced, never written through (it could point anywhere), and a reader never sees half a file.
 The checkpoint is verified first (its checksums, its config): a damaged one is never shipped.
 
-README.md is a model card (dspark/model_card.py): the verifier, the drafter's specifications, how
+README.md is a model card (card.py): the verifier, the drafter's specifications, how
 it was made (the prepare/extract/train commands rebuilt from the run's records, no local path),
 how to serve it, and the acceptance reports `dspark eval` wrote for this checkpoint, whose
 figures are copied beside it.
@@ -24,7 +24,8 @@ from pathlib import Path
 from dspark.errors import InputError
 from dspark.settings import setting
 from dspark.kinds import kind_of
-from dspark.model_card import FIGURES, docker_command, render, serve_command, terminal_note
+from dspark.export.card import FIGURES, render
+from dspark.export.serving import docker_command, serve_command, terminal_note
 
 # The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
 EXPORT_FILES = {"config.json", "model.safetensors", "README.md", *FIGURES}
