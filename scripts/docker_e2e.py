@@ -64,6 +64,22 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 2.0) -> N
         time.sleep(interval)
 
 
+def sigkill(c, timeout: float = 300) -> None:
+    """SIGKILL c and wait until it has exited. dockerd waits 10 s for the exit event and then
+    answers the kill with 500 "did not receive an exit event", although the signal was sent: a
+    loaded machine can take longer to reap a process that is writing a checkpoint. So say it,
+    send it again while the container still runs, and wait for the exit."""
+    def exited() -> bool:
+        if state(c)["Status"] == "exited":
+            return True
+        try:
+            c.kill()
+        except docker.errors.APIError as e:  # also "is not running" when it exits meanwhile
+            say(f"kill {c.name}: {e.explanation}; waiting for it to exit")
+        return False
+    wait_until(exited, timeout, f"{c.name} to exit after SIGKILL", interval=5)
+
+
 def dump_logs() -> None:
     for c in containers():
         print(f"--- {c.name} ({state(c)['Status']}, exit {state(c)['ExitCode']})", file=sys.stderr)
@@ -124,7 +140,7 @@ def main() -> None:
         trainer = container("trainer")
         wait_until(lambda: checkpoints(run) or state(trainer)["Status"] == "exited", 900, "a first checkpoint")
         assert state(trainer)["Status"] == "running", "the trainer ended before it could be killed"
-        trainer.kill()
+        sigkill(trainer)
         killed_at = (run / "latest").resolve().name
         say(f"trainer killed (SIGKILL) after {killed_at}")
         for s in ("mooncake-master", "extractor"):
