@@ -143,8 +143,7 @@ def nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _unknown(key: str, where: str, cls) -> InputError:
-    known = [f.name for f in fields(cls)]
+def _unknown(key: str, where: str, known) -> InputError:
     close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
     return InputError(f"unknown setting {key!r} in {where}",
                       f"did you mean {close[0]!r}?" if close else f"the settings here are {sorted(known)}")
@@ -158,7 +157,7 @@ def build(cls, data: dict[str, Any], where: str = "config", base=None):
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
     for key in sorted(set(data) - set(known)):
-        raise _unknown(key, where, cls)
+        raise _unknown(key, where, known)
     kw = {}
     for name, value in data.items():
         sub = hints[name]
@@ -208,7 +207,7 @@ def _load_yaml(text: str, path: Path):
 
 # A deployment file (configs/cpu.yaml) configures several commands at once: a section per command,
 # named as the command is, and `shared:` settings that every one of them takes where it has them.
-DEPLOYMENT_SECTIONS = ("prepare", "extract", "launch-vllm", "mooncake-master", "train")
+# Which commands those are is dspark.deployment's table (it imports their configs; this module can't).
 SHARED = "shared"
 
 
@@ -235,12 +234,17 @@ def _read_config(path: Path) -> dict:
     return data
 
 
-def _mapping(value, where: str, path: Path, cls) -> dict:
+def _mapping(value, where: str, path: Path, keys=None) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InputError(f"{where} in {path} must be a mapping", f"allowed keys: {sorted(f.name for f in fields(cls))}")
+        raise InputError(f"{where} in {path} must be a mapping", f"allowed keys: {sorted(keys)}" if keys else
+                         "one `setting: value` per line, e.g. `target_layer_ids: [1, 3]`")
     return value
+
+
+def _names(cls) -> set[str]:
+    return {f.name for f in fields(cls)}
 
 
 def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -252,9 +256,9 @@ def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = ()) -> dict[
         name = str(key).replace("-", "_")
         where = ".".join((*prefix, name))
         if name not in known:
-            raise _unknown(where, str(path), cls)
+            raise _unknown(where, str(path), known)
         if is_dataclass(hints[name]):
-            flat.update(_flatten(_mapping(value, where, path, hints[name]), hints[name], path, (*prefix, name)))
+            flat.update(_flatten(_mapping(value, where, path, _names(hints[name])), hints[name], path, (*prefix, name)))
         else:
             flat[SEP.join((*prefix, name))] = value
     return flat
@@ -269,35 +273,39 @@ def _groups(cls, prefix: tuple[str, ...] = ()):
             yield from _groups(hints[f.name], (*prefix, f.name))
 
 
-def _deployment(data: dict, section: str | None, cls, path: Path) -> dict[str, Any]:
-    """A command's settings in a deployment file: the shared ones it has (at any depth), then its section's."""
-    unknown = sorted(set(data) - {*DEPLOYMENT_SECTIONS, SHARED})
+def _deployment(data: dict, section: str | None, cls, path: Path, sections: dict) -> dict[str, Any]:
+    """A command's settings in a deployment file: the shared ones it has (at any depth), then its section's.
+    A shared key that no command of `sections` has is refused."""
+    unknown = sorted(set(data) - {*sections, SHARED})
     if unknown:
         raise InputError(f"config file {path} has unknown section(s) {unknown}",
-                         f"a deployment file holds `{SHARED}:` and sections named after {list(DEPLOYMENT_SECTIONS)}")
-    if section not in DEPLOYMENT_SECTIONS:
+                         f"a deployment file holds `{SHARED}:` and sections named after {list(sections)}")
+    if section not in sections:
         raise InputError(f"config file {path} is a deployment file, with no section for this command",
-                         f"pass a file of this command's settings (sections are {list(DEPLOYMENT_SECTIONS)})")
+                         f"pass a file of this command's settings (sections are {list(sections)})")
+    anywhere = {name for c in sections.values() for _, sub in _groups(c) for name in _names(sub)}
     flat: dict[str, Any] = {}
-    for key, value in _mapping(data.get(SHARED), SHARED, path, cls).items():
+    for key, value in _mapping(data.get(SHARED), SHARED, path).items():  # settings several commands have
+        name = str(key).replace("-", "_")
+        if name not in anywhere:  # every command would skip it
+            raise _unknown(f"{SHARED}.{name}", str(path), anywhere)
         for prefix, sub in _groups(cls):  # e.g. `mooncake` is train's live.mooncake and launch-vllm's sink.mooncake
-            if str(key).replace("-", "_") in {f.name for f in fields(sub)}:
+            if name in _names(sub):
                 flat.update(_flatten({key: value}, sub, path, prefix))
-    flat.update(_flatten(_mapping(data.get(section), section, path, cls), cls, path))
+    flat.update(_flatten(_mapping(data.get(section), section, path, _names(cls)), cls, path))
     return flat
 
 
-def load_config_file(path: str | Path, cls, section: str | None = None) -> dict[str, Any]:
+def load_config_file(path: str | Path, cls, section: str | None = None, sections: dict | None = None) -> dict[str, Any]:
     """A YAML or JSON file of `cls` settings (nested like `asdict`) as flat `SEP`-joined names -> values.
 
-    A deployment file (top-level keys from DEPLOYMENT_SECTIONS and SHARED) gives the command named
-    `section` its section, over the shared settings it has.
+    A deployment file (top-level keys from `sections`, a section name -> its command's config class, and
+    SHARED) gives the command named `section` its section, over the shared settings it has.
     """
     path = Path(path)
     data = _read_config(path)
-    names = {f.name for f in fields(cls)}
-    if any(k in DEPLOYMENT_SECTIONS or k == SHARED for k in data) and not names & set(data):
-        return _deployment(data, section, cls, path)
+    if sections and any(k in sections or k == SHARED for k in data) and not _names(cls) & set(data):
+        return _deployment(data, section, cls, path, sections)
     return _flatten(data, cls, path)
 
 
@@ -345,12 +353,13 @@ def _int_words(word: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers, got {word!r}") from None
 
 
-def parsed_config(cls, namespace, where: str = "the command line", section: str | None = None):
+def parsed_config(cls, namespace, where: str = "the command line", section: str | None = None,
+                  sections: dict | None = None):
     """`cls` from what `add_arguments` parsed: given flags, then `--config FILE` (its `section` in a
-    deployment file), then the defaults."""
+    deployment file of `sections`), then the defaults."""
     given = dict(vars(namespace))
     path = given.pop("config_file", None)
-    flat = load_config_file(path, cls, section) if path else {}
+    flat = load_config_file(path, cls, section, sections) if path else {}
     for key, value in given.items():
         flat[key] = [x for words in value for x in (words if isinstance(words, list) else [words])] \
             if isinstance(value, list) else value

@@ -13,11 +13,12 @@ from click.testing import CliRunner
 
 from conftest import LAYERS, run_cli
 from dspark.cli import main
-from dspark.connector.config import MasterConfig, MooncakeConfig
-from dspark.extract.config import ExtractConfig, LaunchConfig, ServeLimits
-from dspark.prepare import PrepareConfig, PreparedData
-from dspark.settings import DEPLOYMENT_SECTIONS, check_settings, checked, leaves, load_config_file, nest
+from dspark.connector.config import MooncakeConfig
+from dspark.extract.config import ServeLimits
+from dspark.prepare import PreparedData
+from dspark.settings import check_settings, checked, leaves, load_config_file, nest
 from dspark.connector.manifest import default_store
+from dspark.deployment import SECTIONS
 from dspark.errors import InputError
 from dspark.train.config import TrainConfig
 
@@ -192,22 +193,24 @@ def test_a_yaml_alias_bomb_in_a_config_file_is_refused_unexpanded(tmp_path):
 
 # --- deployment files (configs/*.yaml): a section per command, `shared:` settings where a command has them ----
 
-SECTIONS = {"prepare": PrepareConfig, "extract": ExtractConfig, "launch-vllm": LaunchConfig,
-            "mooncake-master": MasterConfig, "train": TrainConfig}
+
+def section(path, name: str) -> dict:
+    """Command `name`'s settings in the deployment file `path`, as its `--config` reads them."""
+    return load_config_file(path, SECTIONS[name], name, SECTIONS)
 
 
 def test_a_deployment_file_gives_each_command_its_section_over_the_shared_settings(tmp_path):
     f = tmp_path / "d.yaml"
     f.write_text("shared:\n  target_layer_ids: [2, 4]\n  mooncake: {local_buffer_gib: 0.75, writer_threads: 3}\n"
                  "train:\n  epochs: 5\n  live: {mooncake: {writer_threads: 6}}\nprepare: {seq_length: 128}\n")
-    assert load_config_file(f, TrainConfig, "train") == {
+    assert section(f, "train") == {
         "target_layer_ids": [2, 4], "live__mooncake__local_buffer_gib": 0.75, "live__mooncake__writer_threads": 6,
         "epochs": 5}
-    assert load_config_file(f, LaunchConfig, "launch-vllm") == {
+    assert section(f, "launch-vllm") == {
         "target_layer_ids": [2, 4], "sink__mooncake__local_buffer_gib": 0.75, "sink__mooncake__writer_threads": 3}
-    assert load_config_file(f, PrepareConfig, "prepare") == {"seq_length": 128}  # it has no shared setting
-    assert load_config_file(f, MasterConfig, "mooncake-master") == {}
-    cfg = TrainConfig.from_dict({**nest(load_config_file(f, TrainConfig, "train")), "data_path": "p",
+    assert section(f, "prepare") == {"seq_length": 128}  # it has no shared setting
+    assert section(f, "mooncake-master") == {}
+    cfg = TrainConfig.from_dict({**nest(section(f, "train")), "data_path": "p",
                                  "verifier_name_or_path": "v", "save_path": "s"})
     assert (cfg.epochs, cfg.live.mooncake.writer_threads, cfg.live.mooncake.local_buffer_gib) == (5, 6, 0.75)
 
@@ -216,20 +219,32 @@ def test_a_deployment_file_refuses_unknown_sections_and_commands_it_has_none_for
     f = tmp_path / "d.yaml"
     f.write_text("shared: {target_layer_ids: [1]}\ntrian: {epochs: 5}\n")
     with pytest.raises(InputError, match=r"unknown section\(s\) \['trian'\]"):
-        load_config_file(f, TrainConfig, "train")
+        section(f, "train")
     f.write_text("train: {epochs: 5}\n")
     proc = run_cli("compare", "--config", f, check=False)
     assert proc.returncode == 2
     assert "is a deployment file, with no section for this command" in proc.stderr
     f.write_text("train: {epohcs: 5}\n")
     with pytest.raises(InputError, match="unknown setting 'epohcs'"):
-        load_config_file(f, TrainConfig, "train")
+        section(f, "train")
+
+
+def test_a_shared_setting_no_command_has_is_refused_not_skipped(tmp_path):
+    """Each command takes the shared settings it has, so a misspelt one would reach none of them."""
+    f = tmp_path / "d.yaml"
+    f.write_text("shared: {target_layer_idz: [1]}\nprepare: {seq_length: 128}\n")
+    for name in SECTIONS:  # prepare has no layer ids, and is told all the same
+        with pytest.raises(InputError, match=r"unknown setting 'shared.target_layer_idz'.*did you mean 'target_layer_ids'"):
+            section(f, name)
+    f.write_text("shared: [1]\n")
+    proc = run_cli("train", "--config", f, "--print-config", check=False)
+    assert proc.returncode == 2
+    assert "shared in" in proc.stderr and "must be a mapping" in proc.stderr and "target_layer_ids: [1, 3]" in proc.stderr
 
 
 def test_the_deployment_sections_are_the_commands_that_take_a_config_file():
     with_config = {name for name, cmd in main.commands.items() if any(p.name == "config_file" for p in cmd.params)}
     assert set(SECTIONS) - {"launch-vllm"} <= with_config  # launch-vllm parses its own argv (argparse)
-    assert set(SECTIONS) == set(DEPLOYMENT_SECTIONS)
 
 
 DEPLOYMENTS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -238,16 +253,10 @@ DEPLOYMENTS = sorted((ROOT / "configs").glob("*.yaml"))
 @pytest.mark.parametrize("path", DEPLOYMENTS, ids=[p.name for p in DEPLOYMENTS])
 def test_each_shipped_deployment_builds_every_command_and_writes_no_default(path):
     """A value equal to its setting's default would be a second copy of that default."""
-    import yaml
-
-    data = yaml.safe_load(path.read_text())
-    used = set()
-    for section, cls in SECTIONS.items():
-        flat = load_config_file(path, cls, section)
-        used |= {k.split("__")[0] for k in flat} | {k.split("__")[1] for k in flat if "__" in k}
+    for name, cls in SECTIONS.items():  # a shared setting no command has would fail here
+        flat = section(path, name)
         defaults = {"__".join(leaf.path): leaf.default for leaf in leaves(cls)}
-        assert not [k for k, v in flat.items() if v == defaults[k]], f"{section} repeats defaults"
+        assert not [k for k, v in flat.items() if v == defaults[k]], f"{name} repeats defaults"
         required = {"__".join(leaf.path): [1] if "list" in str(leaf.hint) else "x"
                     for leaf in leaves(cls) if leaf.default is MISSING}
         checked(cls, {**required, **flat}, str(path))
-    assert set(data["shared"]) <= used, "a shared setting no command has"

@@ -142,8 +142,10 @@ def config_file_option(cls, section: str | None = None):
     the command line still win."""
 
     def load(ctx: click.Context, _param, value):
+        from dspark.deployment import SECTIONS  # the commands' configs: imported only when a file is given
+
         if value:
-            ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value, cls, section)}
+            ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value, cls, section, SECTIONS)}
         return value
 
     return click.option("--config", "config_file", type=click.Path(dir_okay=False), is_eager=True,

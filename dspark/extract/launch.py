@@ -30,6 +30,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from dspark.deployment import SECTIONS
 from dspark.errors import DsparkError, InputError
 from dspark.extract.config import LaunchConfig
 from dspark.hub import local_model
@@ -57,7 +58,7 @@ def parse_args(argv: list[str]) -> tuple[LaunchConfig, list[str]]:
     p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, LaunchConfig)
-    cfg = parsed_config(LaunchConfig, p.parse_args(ours), section="launch-vllm")
+    cfg = parsed_config(LaunchConfig, p.parse_args(ours), section="launch-vllm", sections=SECTIONS)
     return cfg, [*cfg.vllm_args, *vllm_flags]
 
 

@@ -1,0 +1,13 @@
+"""The commands one deployment file (configs/*.yaml) configures: its section names and their typed configs.
+
+Light on purpose (no torch, no click): `launch-vllm` reads its section inside vLLM's environment.
+"""
+from __future__ import annotations
+
+from dspark.connector.config import MasterConfig
+from dspark.extract.config import ExtractConfig, LaunchConfig
+from dspark.prepare import PrepareConfig
+from dspark.train.config import TrainConfig
+
+SECTIONS = {"prepare": PrepareConfig, "extract": ExtractConfig, "launch-vllm": LaunchConfig,
+            "mooncake-master": MasterConfig, "train": TrainConfig}
