@@ -234,12 +234,13 @@ def test_a_shared_setting_no_command_has_is_refused_not_skipped(tmp_path):
     f = tmp_path / "d.yaml"
     f.write_text("shared: {target_layer_idz: [1]}\nprepare: {seq_length: 128}\n")
     for name in SECTIONS:  # prepare has no layer ids, and is told all the same
-        with pytest.raises(InputError, match=r"unknown setting 'shared.target_layer_idz'.*did you mean 'target_layer_ids'"):
+        with pytest.raises(InputError, match=r"'shared.target_layer_idz'.*did you mean 'target_layer_ids'"):
             section(f, name)
     f.write_text("shared: [1]\n")
     proc = run_cli("train", "--config", f, "--print-config", check=False)
     assert proc.returncode == 2
-    assert "shared in" in proc.stderr and "must be a mapping" in proc.stderr and "target_layer_ids: [1, 3]" in proc.stderr
+    assert "shared in" in proc.stderr and "must be a mapping" in proc.stderr
+    assert "target_layer_ids: [1, 3]" in proc.stderr  # an example, not one command's field list
 
 
 def test_the_deployment_sections_are_the_commands_that_take_a_config_file():

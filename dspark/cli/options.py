@@ -142,9 +142,8 @@ def config_file_option(cls, section: str | None = None):
     the command line still win."""
 
     def load(ctx: click.Context, _param, value):
-        from dspark.deployment import SECTIONS  # the commands' configs: imported only when a file is given
-
         if value:
+            from dspark.deployment import SECTIONS  # the commands' configs: imported only when a file is given
             ctx.default_map = {**(ctx.default_map or {}), **load_config_file(value, cls, section, SECTIONS)}
         return value
 
