@@ -1,6 +1,7 @@
 """The commands one deployment file (configs/*.yaml) configures: its section names and their typed configs.
 
-Light on purpose (no torch, no click): `launch-vllm` reads its section inside vLLM's environment.
+Light on purpose (no torch, no click): `launch-vllm` reads its section inside vLLM's environment. It sits
+above the configs it names, so the entry points hand it down (`--config`, `launch-vllm`'s `main`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,8 @@
         --target-layer-ids 24 48 72 88 92 -- <vllm serve flags>
 """
 
+from dspark.deployment import SECTIONS
 from dspark.extract.launch import main
 
 if __name__ == "__main__":
-    main()
+    main(sections=SECTIONS)

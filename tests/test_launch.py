@@ -16,6 +16,7 @@ import pytest
 from conftest import hf_cache_model, wait_for
 from dspark import vllm_server
 from dspark.connector.config import SinkConfig
+from dspark.deployment import SECTIONS
 from dspark.errors import InputError
 from dspark.extract import launch
 from dspark.net import free_port
@@ -140,11 +141,22 @@ def test_a_deployment_file_gives_its_settings_and_vllm_flags_and_the_command_lin
                  "launch-vllm:\n  vllm_args: [--enforce-eager, --max-model-len, '512']\n"
                  "  sink: {mooncake: {global_segment_gib: 0}}\n")
     args, flags = launch.parse_args([str(model), "--config", str(f), "--mooncake-writer-threads", "5",
-                                     "--", "--max-model-len", "256"])
+                                     "--", "--max-model-len", "256"], SECTIONS)
     assert args.target_layer_ids == [1, 3]
     assert (args.sink.mooncake.writer_threads, args.sink.mooncake.global_segment_gib) == (5, 0)
     assert flags == ["--enforce-eager", "--max-model-len", "512", "--max-model-len", "256"]
     assert launch.build_plan(args, flags)["command"][-5:] == flags
+
+
+@pytest.mark.parametrize("entry", [["scripts/launch_vllm.py"], ["-m", "dspark.cli", "launch-vllm"]])
+def test_both_entry_points_read_the_shipped_deployment_file(model, entry):
+    """As compose and Slurm start the extractor: `--config configs/cpu.yaml`, its shared and launch-vllm settings."""
+    proc = _launch(entry, model, "--config", ROOT / "configs" / "cpu.yaml", "--print-only")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["speculative_config"]["draft_model_config"]["hf_config"] == {
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5, 94]}
+    assert plan["command"][-3:] == ["--enforce-eager", "--max-model-len", "1024"]
 
 
 def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path):

@@ -55,9 +55,10 @@ class _RawArgs(click.Command):
 @main.command("launch-vllm", cls=_RawArgs, add_help_option=False)
 def launch_vllm(argv):
     """Start vLLM with our KV connector: the seed's extraction flags, then `--` and vLLM's (see --help)."""
+    from dspark.deployment import SECTIONS
     from dspark.extract.launch import main as launch
 
-    launch(argv)
+    launch(argv, SECTIONS)
 
 
 @command(main, "mooncake-master", MasterConfig, config_file=MasterConfig)

@@ -30,7 +30,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from dspark.deployment import SECTIONS
 from dspark.errors import DsparkError, InputError
 from dspark.extract.config import LaunchConfig
 from dspark.hub import local_model
@@ -51,14 +50,17 @@ class _Parser(argparse.ArgumentParser):
         raise InputError(message, f"see {self.prog} --help")
 
 
-def parse_args(argv: list[str]) -> tuple[LaunchConfig, list[str]]:
+def parse_args(argv: list[str], sections: dict | None = None) -> tuple[LaunchConfig, list[str]]:
     """Our settings (flags, or `--config FILE`), and vLLM's flags: the config's `vllm_args`, then everything
-    after the first `--`, verbatim (vLLM's parser takes the last of a flag given twice)."""
+    after the first `--`, verbatim (vLLM's parser takes the last of a flag given twice).
+
+    `sections`: a deployment file's commands (dspark.deployment.SECTIONS), passed in by the entry points
+    because that table imports this folder's configs."""
     ours, vllm_flags = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     p = _Parser(prog="launch_vllm.py", description=__doc__, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p, LaunchConfig)
-    cfg = parsed_config(LaunchConfig, p.parse_args(ours), section="launch-vllm", sections=SECTIONS)
+    cfg = parsed_config(LaunchConfig, p.parse_args(ours), section="launch-vllm", sections=sections)
     return cfg, [*cfg.vllm_args, *vllm_flags]
 
 
@@ -169,9 +171,9 @@ def speculative_config(layer_ids: list[int]) -> dict:
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layer_ids}}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, sections: dict | None = None) -> None:
     try:
-        cfg, vllm_flags = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, vllm_flags = parse_args(sys.argv[1:] if argv is None else argv, sections)
         plan = build_plan(cfg, vllm_flags)
         if cfg.print_only:
             print(json.dumps(plan, indent=2))
