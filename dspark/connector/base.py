@@ -192,8 +192,6 @@ class PromptSet(Protocol):
     def token_ids(self, sample_id: int) -> np.ndarray: ...
 
 
-
-
 def open_sink(spec: str, **options) -> Sink:
     """`zarr`, `mooncake` or `zarr,mooncake` (a tee); options go to every factory, each takes its own."""
     sinks: list[Sink] = []

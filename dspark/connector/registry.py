@@ -1,7 +1,7 @@
-"""The sink, source and engine registries: name -> factory, each backend loaded at its first lookup.
+"""Registry (name -> factory, each backend loaded at its first lookup), and the sink and source registries.
 
 Torch-free and free of the backends themselves: settings validate names against the module tables here
-without importing Zarr, Mooncake or torch.
+without importing Zarr, Mooncake or torch. The engines' registry is extract/base.py's ENGINES.
 """
 
 from __future__ import annotations

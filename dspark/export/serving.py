@@ -12,7 +12,6 @@ DEMO_DFLASH_MEASURE = ("measured on dspark's demo checkpoint, 20 prompts, 64 gre
                        "dflash-v1`, vs 1.88 in the trained layout")
 
 
-
 def speculative_config(model: str, tokens: int, method: str = "dspark") -> str:
     spec = {"model": model, "method": method, "num_speculative_tokens": tokens}
     if method == "dspark":

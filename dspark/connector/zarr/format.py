@@ -62,7 +62,6 @@ BLOSC_MAX_OVERHEAD = 16  # Blosc 1 stores data it cannot compress as is, behind 
 SEGMENT_FIX = "move that segment folder out of the store: `dspark store repair` then re-extracts the samples it held"
 
 
-
 @dataclass(frozen=True)
 class IndexEntry:
     segment: str
