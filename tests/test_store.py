@@ -50,6 +50,16 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     assert info["samples"] == 30 and info["raw_bytes"] == sum(make_sample(i).hidden_states.nbytes for i in range(30))
 
 
+def test_a_sample_of_another_dtype_than_the_stores_is_refused_not_stored_as_wrong_bits(tmp_path):
+    sink = ZarrSink(tmp_path, manifest())
+    s = make_sample(0)
+    with pytest.raises(StoreError, match="torch.float32 hidden states, store .* holds bfloat16"):
+        sink.write(Sample(0, s.token_ids, s.hidden_states.float()))
+    sink.write(s)
+    sink.close()
+    assert torch.equal(ZarrStore(tmp_path).read(0).hidden_states, s.hidden_states)
+
+
 def test_fp8_round_trip_within_tolerance(tmp_path):
     write(tmp_path / "fp8", range(10), encoding="fp8_e4m3")
     store = ZarrStore(tmp_path / "fp8")

@@ -25,7 +25,7 @@ from zarr.codecs import BloscCodec
 from dspark.connector.base import Sample, Sink, done
 from dspark.connector.registry import register_sink
 from dspark.connector.checksum import sample_checksum
-from dspark.connector.encoding import encode, stored_numpy_dtype
+from dspark.connector.encoding import encode, stored_numpy_dtype, torch_dtype
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.zarr.format import CAPACITY, chunk_path, index_record
 from dspark.connector.zarr.reader import ZarrStore
@@ -151,6 +151,9 @@ class ZarrSink(Sink):
             raise StoreError(f"sample {sample.sample_id} has hidden states {tuple(sample.hidden_states.shape)}, "
                              f"store {self.root} holds [T, {want[0]}, {want[1]}]",
                              "extract with the store's layer ids and verifier")
+        if sample.hidden_states.dtype != torch_dtype(m.dtype):  # its bits would be stored as the store's dtype's
+            raise StoreError(f"sample {sample.sample_id} has {sample.hidden_states.dtype} hidden states, store "
+                             f"{self.root} holds {m.dtype}", f"cast them to {m.dtype}, or write them to a new store")
         payload, scales = encode(sample.hidden_states, m.encoding)
         tokens = np.asarray(sample.token_ids, dtype=np.int64)
         crc = sample_checksum(m.checksum, tokens, payload, scales)
