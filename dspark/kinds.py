@@ -20,6 +20,7 @@ class Kind:
     config: str        # and its config class
     summary: str       # for tables and model cards
     vllm_method: str   # the speculative config's `method` that serves its trained layout
+    blocks: bool = True  # drafts a block per forward, which teacher-forced eval and the state gain score
 
     def _load(self, path: str):
         module, name = path.split(":")
@@ -41,7 +42,7 @@ KINDS = {k.name: k for k in (
          "a DFlash block-diffusion drafter", "dflash"),
     Kind("eagle3", "EAGLE-3", "speculators.models.eagle3:Eagle3DraftModel",
          "speculators.models.eagle3:Eagle3SpeculatorConfig",
-         "an EAGLE-3 autoregressive drafter over 3 fused verifier layers", "eagle3"),
+         "an EAGLE-3 autoregressive drafter over 3 fused verifier layers", "eagle3", blocks=False),
 )}
 
 

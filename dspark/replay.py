@@ -52,7 +52,8 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
     recorded = MetricLog(rd.metrics_path).read()
     if not recorded:
         raise InputError(f"run {run} logged no metrics yet", "replay a run that trained at least --log-freq steps")
-    cfg = TrainConfig.from_dict(rec["train"])
+    # a run recorded before validations scored the state gain logged no such metrics: its replay scores none
+    cfg = TrainConfig.from_dict({"val_state_gain": False, **rec["train"]})
     if store:
         cfg.store = store
     # A live run's cache is a Zarr store too: replays read it only, never the live store.

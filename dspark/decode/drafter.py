@@ -29,6 +29,7 @@ import torch
 
 from dspark.decode.config import DraftSample, Layout
 from dspark.decode.proposal import Proposal, sample_draft
+from dspark.train.blocks import slot_bias
 
 
 class DraftContext:
@@ -194,7 +195,7 @@ class Drafter:
         for k in range(first, self.slots):
             row = logits[k]
             if self.markov is not None:
-                row = row + self._markov_bias(prev, hidden, k)
+                row = row + slot_bias(self.markov, prev[None], hidden[None], k)[0].float()
             if self.confidence is not None:
                 feats = hidden[k]
                 if m.config.confidence_head_with_markov:
@@ -208,12 +209,6 @@ class Drafter:
                 prev[k + 1] = token
         return Proposal(torch.stack(tokens), torch.stack(probs) if probs else None,
                         torch.stack(conf) if conf else None)
-
-    def _markov_bias(self, prev: torch.Tensor, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        if self.markov.head_type == "vanilla":  # W2 W1[prev]: this slot's previous token only
-            return self.markov.markov_w2(self.markov.prev_embeddings(prev[k:k + 1]))[0].float()
-        # gated and rnn read the slot's hidden state, rnn every earlier slot too: the block's bias
-        return self.markov.block_bias(prev_token_ids=prev[None], hidden_states=hidden[None])[0, k].float()
 
 
 def drafter_for(model, layout: Layout = "dspark", num_speculative_tokens: int | None = None):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.decode.config import DraftSample
+from dspark.train.blocks import to_verifier
 
 
 @dataclass
@@ -18,12 +19,6 @@ class Proposal:
     tokens: torch.Tensor              # [N] verifier token ids
     probs: torch.Tensor | None        # [N, verifier vocab] the distributions they were sampled from (probabilistic)
     confidence: torch.Tensor | None   # [N] the confidence head's acceptance probability per drafted token
-
-
-def to_verifier(model, draft_ids: torch.Tensor) -> torch.Tensor:
-    """Draft-vocabulary ids as verifier ids: speculators' d2t holds offsets (vLLM adds them the same way)."""
-    d2t = model.d2t
-    return draft_ids if d2t is None else draft_ids + d2t[draft_ids]
 
 
 def sample_draft(model, row: torch.Tensor, temperature: float, sample: DraftSample,

@@ -10,8 +10,12 @@ sampling achieves, the same per position conditioned on all earlier slots being
 accepted, and the mean acceptance length tau (accepted drafts + the bonus token),
 overall and by context length (tokens before the anchor in its conversation).
 
-The numbers are computed from speculators' own forward: we observe the logits,
-targets and anchors it produces rather than re-implementing the drafter.
+The numbers come from speculators' own forward (its logits, targets and anchors, not a
+re-implementation of the drafter), with one change that makes tau estimate decoded length: a
+DSpark drafter's Markov head is fed its own previous draft, as in decoding, not the data's token
+(`train/blocks.py`). The same blocks are scored again with the context states zeroed and with
+another sample's: the state gain per position says how much of the acceptance the verifier's
+states bring.
 """
 
 from __future__ import annotations
@@ -35,36 +39,6 @@ BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 # ShareGPT samples, 17,765 blocks, took 12 minutes). 0 scores every anchor.
 MAX_ANCHORS = 2048
 ANCHOR_SEED = 0  # which anchors: the same seed scores the same blocks, so two checkpoints compare on them
-
-
-@contextmanager
-def observe_forward():
-    """Record the (logits, targets, loss mask, anchors) speculators computes inside forward."""
-    import speculators.models.dflash.core as dflash_core
-    import speculators.models.dspark.core as dspark_core
-
-    seen: dict = {}
-    dspark_fn, dflash_fn, anchors_fn = dspark_core.compute_metrics, dflash_core.compute_metrics, dflash_core.select_anchors
-
-    def dspark_spy(logits, targets, confidence_logits, loss_mask, *a, **kw):
-        seen.update(logits=logits, targets=targets, confidence=confidence_logits, mask=loss_mask)
-        return dspark_fn(logits, targets, confidence_logits, loss_mask, *a, **kw)
-
-    def dflash_spy(logits, targets, loss_mask, *a, **kw):  # a DFlash drafter: no confidence head
-        seen.update(logits=logits, targets=targets, confidence=None, mask=loss_mask)
-        return dflash_fn(logits, targets, loss_mask, *a, **kw)
-
-    def anchors_spy(*a, **kw):
-        seen["anchors"] = anchors_fn(*a, **kw)
-        return seen["anchors"]
-
-    dspark_core.compute_metrics, dflash_core.compute_metrics = dspark_spy, dflash_spy
-    dflash_core.select_anchors = anchors_spy
-    try:
-        yield seen
-    finally:
-        dspark_core.compute_metrics, dflash_core.compute_metrics = dspark_fn, dflash_fn
-        dflash_core.select_anchors = anchors_fn
 
 
 def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
@@ -120,65 +94,80 @@ def allocate_anchors(available: list[int], max_anchors: int, seed: int) -> list[
     return np.random.default_rng(seed).multivariate_hypergeometric(available, max_anchors).tolist()
 
 
-def evaluate(model, data, batches, device: torch.device, cfg, max_anchors: int = MAX_ANCHORS,
+def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_ANCHORS,
              anchor_seed: int = ANCHOR_SEED) -> dict:
-    """Score `batches` with the loss settings of `cfg` (the run's TrainConfig) on a seeded sample of anchors."""
-    from dataclasses import replace
-
-    import torch
+    """Score `batches` on a seeded sample of anchors, chaining the drafts as decoding does, with the real context
+    states and each control (`train/blocks.py`)."""
     from tqdm import tqdm
 
+    from dspark.train.blocks import CONTROLS, Blocks, score_with_controls, with_donors
     from dspark.train.data import Loader
     from dspark.train.loop import to_device
-    from dspark.train.model import loss_kwargs
 
     B = model.block_size
     available = [anchors_available(data, b, B) for b in batches]
     quota = allocate_anchors(available, max_anchors, anchor_seed)
     todo = [i for i, q in enumerate(quota) if q > 0]  # a batch with no anchor to score is not even read
-    match, accept, conf, mask, ctx = [], [], [], [], []
     total = sum(available)
     loader = Loader(data, [batches[i] for i in todo], keep_empty=True)  # one item per batch, in order
-    for i, batch in zip(todo, tqdm(loader, desc="eval", unit="batch", leave=False)):
-        # fewer anchors than planned when a damaged sample was skipped, none when all of them were
-        n_anchor = 0 if batch is None else int((batch["loss_mask"][0, :-B] > 0).sum())
-        total -= available[i] - n_anchor
-        k = min(quota[i], n_anchor)
-        if k == 0:
-            continue
-        kw = loss_kwargs(model, replace(cfg, max_anchors=k), device)
-        # select_anchors draws its k of the batch's anchors with torch's global generator: seed it per
-        # batch, in a fork so the caller's random state is left as it was
-        with torch.no_grad(), observe_forward() as seen, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(anchor_seed * 1_000_003 + i)
-            model(**to_device(batch, device), **kw)
-        logits, targets = seen["logits"][0].float(), seen["targets"][0].float()
-        tv = 0.5 * (logits.softmax(-1) - targets.softmax(-1)).abs().sum(-1)
-        anchors, valid = seen["anchors"]
-        keep = valid.cpu().numpy()
-        match.append((logits.argmax(-1) == targets.argmax(-1)).view(-1, B).cpu().numpy()[keep])
-        accept.append((1 - tv).view(-1, B).cpu().numpy()[keep])
-        mask.append(seen["mask"][0].view(-1, B).cpu().numpy()[keep].astype(bool))
-        if seen["confidence"] is not None:
-            conf.append(seen["confidence"][0].float().sigmoid().view(-1, B).cpu().numpy()[keep])
-        ctx.append(batch["position_ids"][0, anchors.cpu()].numpy()[keep] + 1)
-    if not match:
+    planned: list[tuple[int, int]] = []  # (batch index, anchors to score) of each batch read
+
+    def read():
+        nonlocal total
+        for i, batch in zip(todo, tqdm(loader, desc="eval", unit="batch", leave=False)):
+            # fewer anchors than planned when a damaged sample was skipped, none when all of them were
+            n_anchor = 0 if batch is None else int((batch["loss_mask"][0, :-B] > 0).sum())
+            total -= available[i] - n_anchor
+            planned.append((i, min(quota[i], n_anchor)))
+            yield batch if planned[-1][1] else None
+
+    scored: dict[str, list] = {name: [] for name in ("real", *CONTROLS)}
+    ctx = []
+    place = lambda b: to_device(b, device)  # noqa: E731
+    for n, batch, donors in with_donors(read()):
+        i, k = planned[n]
+        # select_anchors draws with torch's global generator: seeded per batch, so every variant scores the same blocks
+        for name, blocks in score_with_controls(model, batch, donors, place, k, anchor_seed * 1_000_003 + i).items():
+            scored[name].append(blocks)
+        ctx.append(batch["position_ids"][0, scored["real"][-1].anchors].numpy() + 1)
+    if not ctx:
         raise InputError("no supervised positions to evaluate", "evaluate on samples with assistant tokens")
-    match, accept, mask, ctx = (np.concatenate(x) for x in (match, accept, mask, ctx))
-    conf = np.concatenate(conf) if conf else None
-    if not model.config.sample_from_anchor:  # slot 0 holds the anchor and drafts nothing: position 1 is slot 1
-        match, accept, mask = match[:, 1:], accept[:, 1:], mask[:, 1:]
-        conf = None if conf is None else conf[:, 1:]
-    result = summarize(match, accept, conf, mask, ctx)
-    result["anchors"] = {"scored": int(len(mask)), "available": total,
+    real = Blocks.concat(scored["real"])
+    result = summarize(real.match, real.accept, real.confidence, real.mask, np.concatenate(ctx))
+    add_controls(result, {c: Blocks.concat(scored[c]) if all(b is not None for b in scored[c]) else None for c in CONTROLS})
+    result["anchors"] = {"scored": int(len(real.mask)), "available": total,
                          "max_anchors": max_anchors or None, "seed": anchor_seed}
     return result
 
 
+def add_controls(result: dict, controls: dict) -> None:
+    """Each control's rates beside the real ones, and the state gain: the real rate minus the better control's."""
+    result["controls"] = {}
+    for name, b in controls.items():
+        if b is None:  # one batch of one sample: no other sample to take states from
+            result["controls"][name] = None
+            continue
+        m = b.mask.astype(float)
+        denom = np.maximum(m.sum(0), 1)
+        result["controls"][name] = {
+            "tau_greedy": _tau(b.match, b.mask), "tau_analytic": _tau(b.accept, b.mask),
+            "greedy_match": ((b.match * m).sum(0) / denom).tolist(), "analytic_accept": ((b.accept * m).sum(0) / denom).tolist()}
+    formed = [c for c in result["controls"].values() if c is not None]
+    for k, row in enumerate(result["positions"]):
+        for name, c in result["controls"].items():
+            row[f"{name}_match"] = None if c is None else c["greedy_match"][k]
+        row["state_gain"] = row["greedy_match"] - max(c["greedy_match"][k] for c in formed)
+    result["state_gain"] = {"positions": [row["state_gain"] for row in result["positions"]],
+                            "tau_greedy": result["tau_greedy"] - max(c["tau_greedy"] for c in formed),
+                            "against": "the better of " + " and ".join(
+                                name.replace("_", " ") for name, c in result["controls"].items() if c is not None)}
+
+
 def _tau(rate: np.ndarray, mask: np.ndarray) -> float:
     """Mean over blocks of 1 + sum_k prod_{j<=k} rate_j (the bonus token always counts)."""
-    prefix = np.cumprod(np.where(mask, rate, 0.0), axis=1)
-    return float((1 + prefix.sum(1)).mean())
+    from dspark.train.blocks import tau
+
+    return float(tau(rate, mask).mean())
 
 
 def summarize(match, accept, conf, mask, ctx) -> dict:
@@ -212,7 +201,9 @@ def tracked(result: dict) -> dict[str, float]:
     out = {f"{pre}/tau_greedy": result["tau_greedy"], f"{pre}/tau_analytic": result["tau_analytic"]}
     for p in result["positions"]:
         out.update({f"{pre}/position_{p['position']}_{k}": p[k]
-                    for k in ("greedy_match", "analytic_accept", "confidence") if k in p})
+                    for k in ("greedy_match", "analytic_accept", "confidence", "state_gain") if k in p})
+    if "state_gain" in result:
+        out[f"{pre}/state_gain_tau"] = result["state_gain"]["tau_greedy"]
     return out
 
 
@@ -223,17 +214,36 @@ def _sample_note(result: dict) -> str:
     return f" (a uniform sample of {a['scored']} of {a['available']} anchors, --anchor-seed {a['seed']})"
 
 
+def state_gain_line(result: dict) -> str | None:
+    """One line: what the verifier's states bring at position 1 and to tau (None for a report without controls)."""
+    gain = result.get("state_gain")
+    if not gain:
+        return None
+    first = result["positions"][0]
+    controls = ", ".join(f"{name.replace('_', ' ')} {first[f'{name}_match']:.3f}"
+                         for name in result["controls"] if first.get(f"{name}_match") is not None)
+    return (f"state gain (greedy match with the verifier's states minus {gain['against']} states): position 1 "
+            f"**{gain['positions'][0]:+.3f}** (real {first['greedy_match']:.3f}; {controls}), "
+            f"tau **{gain['tau_greedy']:+.3f}**")
+
+
 def markdown(result: dict) -> str:
     has_conf = "confidence" in result["positions"][0]
+    controls = [name for name in result.get("controls", {}) if result["controls"][name] is not None]
+    gain = state_gain_line(result)
     lines = [f"tau (mean acceptance length, incl. bonus token): greedy **{result['tau_greedy']:.3f}**, "
-             f"analytic **{result['tau_analytic']:.3f}** over {result['blocks']} blocks{_sample_note(result)}", "",
+             f"analytic **{result['tau_analytic']:.3f}** over {result['blocks']} blocks{_sample_note(result)}",
+             *([""] + [gain] if gain else []), "",
              "| pos | tokens | greedy match | 1-TV accept | greedy reach | analytic reach |"
-             + (" confidence |" if has_conf else ""),
-             "|---:|---:|---:|---:|---:|---:|" + ("---:|" if has_conf else "")]
+             + (" confidence |" if has_conf else "")
+             + "".join(f" {name.replace('_', ' ')} |" for name in controls) + (" state gain |" if gain else ""),
+             "|---:|---:|---:|---:|---:|---:|" + ("---:|" if has_conf else "") + "---:|" * (len(controls) + bool(gain))]
     for p in result["positions"]:
         lines.append(f"| {p['position']} | {p['tokens']} | {p['greedy_match']:.3f} | {p['analytic_accept']:.3f} | "
                      f"{p['greedy_reach']:.3f} | {p['analytic_reach']:.3f} |"
-                     + (f" {p['confidence']:.3f} |" if has_conf else ""))
+                     + (f" {p['confidence']:.3f} |" if has_conf else "")
+                     + "".join(f" {p[f'{name}_match']:.3f} |" for name in controls)
+                     + (f" {p['state_gain']:+.3f} |" if gain else ""))
     lines += ["", "| context tokens | blocks | tau greedy | tau analytic |", "|---|---:|---:|---:|"]
     lines += [f"| {b['context']} | {b['blocks']} | {b['tau_greedy']:.3f} | {b['tau_analytic']:.3f} |"
               for b in result["by_context"]]
@@ -254,6 +264,9 @@ def plot(result: dict, path: Path, title: str) -> None:
         if key in result["positions"][0]:
             a.plot(pos, [p[key] for p in result["positions"]], marker="o", label=label,
                    linestyle="--" if "reach" in key else "-")
+    for name, c in result.get("controls", {}).items():  # what the drafter scores without the verifier's states
+        if c is not None:
+            a.plot(pos, c["greedy_match"], marker=".", linestyle=":", label=f"greedy match, {name.replace('_', ' ')} states")
     a.set(xlabel="block position", ylabel="rate", ylim=(0, 1.02), title="per-position acceptance")
     a.legend(fontsize=8)
     a.grid(alpha=0.3)
@@ -276,6 +289,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     import sys
 
     from dspark.connector.zarr.reader import ZarrStore
+    from dspark.kinds import kind_of
     from dspark.prepare import PreparedData
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
@@ -296,15 +310,16 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     if not store:
         raise InputError(f"{ckpt} does not record its store", "pass --store")
     model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
-    if model.config.speculators_model_type == "eagle3":
-        raise InputError(f"{ckpt} is an EAGLE-3 drafter: teacher-forced eval scores the blocks of DFlash-family "
+    kind = kind_of(model.config.to_dict(), f"{ckpt}/config.json")
+    if not kind.blocks:
+        raise InputError(f"{ckpt} is an {kind.title} drafter: teacher-forced eval scores the blocks of DFlash-family "
                          "drafters", "measure it by decoding: `dspark eval --decode` or `dspark compare`")
     source = ZarrStore(store)
     data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
                      cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None,
                      layers=model.target_layer_ids)  # the drafter's layers, of the store's
     batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
-    result = evaluate(model, data, batches, dev, cfg, max_anchors, anchor_seed)
+    result = evaluate(model, data, batches, dev, max_anchors, anchor_seed)
     result.update(checkpoint=str(ckpt), store=str(store), split=split)
     if data.damaged:
         result["damaged_skipped"] = sorted(data.damaged)

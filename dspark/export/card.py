@@ -263,10 +263,13 @@ def _acceptance(ckpt: Path, p: Provenance, known: dict[str, str]) -> tuple[list[
         split = data.get("split")
         out += [f"### {title}", ""]
         if name == "eval":
-            out += ["Every supervised position of the " + ("validation split" if split == "val" else "data")
-                    + " scored as an anchor, with the verifier's own hidden states (teacher-forced): per block "
-                    "position, the greedy match rate, the analytic acceptance 1-TV, the chance of reaching that "
-                    "position, the confidence head's prediction, and tau by context length.", ""]
+            out += ["Supervised positions of the " + ("validation split" if split == "val" else "data")
+                    + " scored as anchors, with the verifier's own hidden states (teacher-forced), each draft "
+                    "chained from the one before as decoding does: per block position, the greedy match rate, the "
+                    "analytic acceptance 1-TV, the chance of reaching that position, the confidence head's "
+                    "prediction, and tau by context length. The state gain is what the verifier's states bring: "
+                    "the greedy match with them minus with them zeroed or another sample's (the better of the two); "
+                    "near zero, the drafter ignores its context.", ""]
         if name == "compare":
             out += [f"This drafter is the row `{data.get('row')}`.", ""]
         out += [_demote(scrub(md.strip(), known)), ""]

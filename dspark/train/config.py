@@ -101,6 +101,10 @@ class TrainConfig:
              "first and every validation then read nothing (0: always read from the store).", ge=0,
         result_neutral=True)
     log_freq: int = setting(10, "Steps per logged window.", ge=1)
+    val_state_gain: bool = setting(
+        True, "DFlash family: at each validation also score the blocks with the context states zeroed and with "
+              "another sample's, drafts chained as decoding does; logs each one's match per position and the state "
+              "gain (val state_gain_pos*_match, state_gain_tau). Costs three forwards per validation batch.")
     seed: int = setting(0)
     device: str = setting("auto", "auto, cpu or cuda.", result_neutral=True)
     max_steps: int | None = setting(None, "Stop after this many steps (resumable).", ge=1, result_neutral=True)

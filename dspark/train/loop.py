@@ -30,8 +30,10 @@ from dspark.connector.registry import SOURCES
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.fingerprint import tokenizer_hash
+from dspark.kinds import KINDS
 from dspark.prepare import PreparedData
 from dspark.tracking.run import Tracking, flatten, require_installed
+from dspark.train.blocks import score_with_controls, state_gain, sums, with_donors
 from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rng_state, set_rng_state
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
@@ -268,21 +270,36 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Validation under a fixed seed (anchor sampling is random) that leaves the training RNG untouched."""
+        """Validation under a fixed seed (anchor sampling is random) that leaves the training RNG untouched.
+
+        Besides the loss and speculators' metrics, each batch's blocks are scored as decoding drafts them, with
+        the real context states and with the controls (`blocks.py`): the state gain of every validation.
+        """
         start = time.perf_counter()
         self.model.eval()
         acc: dict[str, float] = {}
+        gain = self.cfg.val_state_gain and KINDS[self.cfg.speculator_type].blocks
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.cfg.seed)
             where = self._pass(f"validation at epoch {self.state['epoch']} batch {self.state['batch']}")
-            for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
-                                self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
-                with self._autocast():
-                    _, _, metrics = self.model(**to_device(model_inputs(self.cfg, batch), self.device),
-                                               **self.loss_kw)
-                accumulate(acc, metrics)
+
+            def losses():  # each batch's loss and metrics as it passes; then it is scored, if asked
+                for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
+                                    self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
+                    with self._autocast():
+                        _, _, metrics = self.model(**to_device(model_inputs(self.cfg, batch), self.device),
+                                                   **self.loss_kw)
+                    accumulate(acc, metrics)
+                    yield batch if gain else None
+
+            for n, batch, donors in with_donors(losses()):
+                with self._autocast():  # its own seed per batch: score() leaves the generator as it was
+                    scored = score_with_controls(self.model, batch, donors, lambda b: to_device(b, self.device),
+                                                 self.cfg.max_anchors, self.cfg.seed * 1_000_003 + n)
+                accumulate(acc, sums(scored))
         self.timing["validate_s"].append(time.perf_counter() - start)
-        return reduce(all_reduce(acc, self.device))
+        out = reduce(all_reduce(acc, self.device))
+        return {**out, **state_gain(out)}
 
     def checkpoint(self, validate: bool = True) -> None:
         """Validate (unless stopping at --max-steps: the uninterrupted run logs no val record there) and save."""
