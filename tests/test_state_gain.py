@@ -63,16 +63,15 @@ def zeroed_store(store, tmp_path_factory) -> Path:
 
 def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw_them_gains_nothing(
         coded_store, zeroed_store, prepared, verifier, tmp_path):
-    coded = train_cfg(coded_store, prepared, verifier, tmp_path / "coded", epochs=6, checkpoint_freq=1.0)
+    coded = train_cfg(coded_store, prepared, verifier, tmp_path / "coded", epochs=10, checkpoint_freq=1.0, lr=1e-2)
     records = fit(coded)
     gains = [r["metrics"]["state_gain_pos1_match"] for r in records if r["split"] == "val"]
-    assert len(gains) == 6 and gains[-1] > 0.15  # each validation logs it, and it grows as the drafter learns
-    assert gains[-1] > gains[0]
+    assert len(gains) == 10 and min(gains[-3:]) > 0.1  # each validation logs it (a small split: noisy)
     result, out = run_eval(os.path.join(coded.save_path, "latest"), None, None, None, str(tmp_path / "e1"), "all")
     first = result["positions"][0]
     assert result["state_gain"]["positions"][0] == pytest.approx(
         first["greedy_match"] - max(first["zeroed_match"], first["other_sample_match"]))
-    assert result["state_gain"]["positions"][0] > 0.15 and result["state_gain"]["tau_greedy"] > 0.15
+    assert result["state_gain"]["positions"][0] > 0.2 and result["state_gain"]["tau_greedy"] > 0.5
     assert "state gain" in (out / "eval.md").read_text()
 
     # trained with zeroed states, then scored on the states that hold the answer: it never learned to read them
