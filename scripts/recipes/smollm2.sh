@@ -29,7 +29,7 @@ for venv in .venv .venv-vllm; do
   [ -x "$venv/bin/dspark" ] || { echo "error: $venv is missing (fix: bash scripts/setup.sh --vllm)" >&2; exit 2; }
 done
 R=$RECIPE
-M=cache/models/SmolLM2-135M-Instruct
+M=$DSPARK_CACHE/models/SmolLM2-135M-Instruct
 mkdir -p "$R/done" "$R/logs" "$R/data" "$R/prompts"
 dspark() { .venv/bin/dspark "$@"; }
 vdspark() { .venv-vllm/bin/dspark "$@"; }   # the extraction environment (vLLM)
