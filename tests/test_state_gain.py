@@ -20,7 +20,7 @@ from dspark.connector.zarr.writer import ZarrSink
 from dspark.decode.drafter import Drafter
 from dspark.decode.loop import autoregressive
 from dspark.decode.verifier import Verifier
-from dspark.eval.teacher_forced import load_checkpoint, run_eval
+from dspark.eval.teacher_forced import run_eval
 from dspark.prepare import PreparedData
 from dspark.train.blocks import control_states, documents, score, with_donors
 from dspark.verifier import VerifierInfo
