@@ -58,7 +58,8 @@ def coded_store(store, verifier, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def zeroed_store(store, tmp_path_factory) -> Path:
-    return rewrite_states(store, tmp_path_factory.mktemp("stores") / "zeroed", lambda s: torch.zeros(s.hidden_states[:, :-1].shape))
+    return rewrite_states(store, tmp_path_factory.mktemp("stores") / "zeroed",
+                          lambda s: torch.zeros(s.hidden_states[:, :-1].shape))
 
 
 def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw_them_gains_nothing(
@@ -77,7 +78,8 @@ def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw
     # trained with zeroed states, then scored on the states that hold the answer: it never learned to read them
     blind = train_cfg(zeroed_store, prepared, verifier, tmp_path / "blind", epochs=6, checkpoint_freq=1.0)
     fit(blind)
-    result, _ = run_eval(os.path.join(blind.save_path, "latest"), str(coded_store), None, None, str(tmp_path / "e2"), "all")
+    result, _ = run_eval(os.path.join(blind.save_path, "latest"), str(coded_store), None, None, str(tmp_path / "e2"),
+                         "all")
     assert abs(result["state_gain"]["positions"][0]) < 0.05
     # on the zeroed store every variant sees zeros: exactly no gain
     result, _ = run_eval(os.path.join(blind.save_path, "latest"), None, None, None, str(tmp_path / "e3"), "all")

@@ -133,7 +133,8 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
         raise InputError("no supervised positions to evaluate", "evaluate on samples with assistant tokens")
     real = Blocks.concat(scored["real"])
     result = summarize(real.match, real.accept, real.confidence, real.mask, np.concatenate(ctx))
-    add_controls(result, {c: Blocks.concat(scored[c]) if all(b is not None for b in scored[c]) else None for c in CONTROLS})
+    add_controls(result, {c: Blocks.concat(scored[c]) if all(b is not None for b in scored[c]) else None
+                          for c in CONTROLS})
     result["anchors"] = {"scored": int(len(real.mask)), "available": total,
                          "max_anchors": max_anchors or None, "seed": anchor_seed}
     return result
@@ -150,7 +151,8 @@ def add_controls(result: dict, controls: dict) -> None:
         denom = np.maximum(m.sum(0), 1)
         result["controls"][name] = {
             "tau_greedy": _tau(b.match, b.mask), "tau_analytic": _tau(b.accept, b.mask),
-            "greedy_match": ((b.match * m).sum(0) / denom).tolist(), "analytic_accept": ((b.accept * m).sum(0) / denom).tolist()}
+            "greedy_match": ((b.match * m).sum(0) / denom).tolist(),
+            "analytic_accept": ((b.accept * m).sum(0) / denom).tolist()}
     formed = [c for c in result["controls"].values() if c is not None]
     for k, row in enumerate(result["positions"]):
         for name, c in result["controls"].items():
@@ -265,7 +267,8 @@ def plot(result: dict, path: Path, title: str) -> None:
                    linestyle="--" if "reach" in key else "-")
     for name, c in result.get("controls", {}).items():  # what the drafter scores without the verifier's states
         if c is not None:
-            a.plot(pos, c["greedy_match"], marker=".", linestyle=":", label=f"greedy match, {name.replace('_', ' ')} states")
+            a.plot(pos, c["greedy_match"], marker=".", linestyle=":",
+                   label=f"greedy match, {name.replace('_', ' ')} states")
     a.set(xlabel="block position", ylabel="rate", ylim=(0, 1.02), title="per-position acceptance")
     a.legend(fontsize=8)
     a.grid(alpha=0.3)

@@ -81,8 +81,8 @@ class Blocks:
     def concat(cls, blocks: list[Blocks]) -> Blocks:
         """The rows of several batches' blocks, in order."""
         cat = lambda f: np.concatenate([getattr(b, f) for b in blocks])  # noqa: E731
-        return cls(cat("match"), cat("accept"), cat("mask"), None if blocks[0].confidence is None else cat("confidence"),
-                   cat("drafts"), cat("anchors"))
+        confidence = None if blocks[0].confidence is None else cat("confidence")
+        return cls(cat("match"), cat("accept"), cat("mask"), confidence, cat("drafts"), cat("anchors"))
 
     def drop_first_slot(self) -> Blocks:
         """Without sample_from_anchor slot 0 holds the anchor and drafts nothing: position 1 is slot 1."""
@@ -114,7 +114,8 @@ def score(model, inputs: dict[str, torch.Tensor], anchors: int, seed: int) -> Bl
     the same anchors whatever the states, so controls score the blocks the real states did."""
     device = inputs["input_ids"].device
     B = model.block_size
-    with torch.no_grad(), _seen_anchors() as seen, torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+    rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    with torch.no_grad(), _seen_anchors() as seen, rng:
         torch.manual_seed(seed)
         hidden, logits, targets, mask, idx = model._backbone_forward(
             **{k: inputs[k] for k in ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
@@ -173,7 +174,8 @@ def with_donors(batches: Iterable[dict | None]) -> Iterator[tuple[int, dict, lis
         yield i, batch, own[1:] + own[:1] if len(own) > 1 else None
 
 
-def control_states(batch: dict[str, torch.Tensor], control: str, donors: list[torch.Tensor] | None) -> torch.Tensor | None:
+def control_states(batch: dict[str, torch.Tensor], control: str,
+                   donors: list[torch.Tensor] | None) -> torch.Tensor | None:
     """The batch's context states replaced as `control` says (None: that control cannot be formed here)."""
     h = batch["hidden_states"]
     if control == "zeroed":
@@ -194,7 +196,8 @@ def score_with_controls(model, batch: dict[str, torch.Tensor], donors, place, an
     out = {"real": score(model, place(batch), anchors, seed)}
     for control in CONTROLS:
         states = control_states(batch, control, donors)
-        out[control] = None if states is None else score(model, place({**batch, "hidden_states": states}), anchors, seed)
+        out[control] = None if states is None else score(model, place({**batch, "hidden_states": states}), anchors,
+                                                         seed)
     return out
 
 
