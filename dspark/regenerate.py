@@ -15,11 +15,13 @@ ignores `source`):
      "source": {"index": 7, "where": "chat.jsonl:8"}}
 
 `index` counts the conversations the reader kept, `where` is the input's file name and line.
-First turn only: later user turns answered the original replies, so regenerating them would mean
-generating turn by turn, each waiting for the reply before it (a sequential decode per turn),
-while one reply per conversation is one batched call. A conversation without an assistant turn
-(questions only, as MT-bench's) is a prompt too: its turns up to and including the first user
-turn (the later questions ask about a reply the file does not hold).
+First turn only by default. `--turns N` (0: all) answers the conversation's later user turns too,
+on-policy: each later reply is generated after the verifier's own earlier replies, the user turns
+kept as the file has them; a batch is answered round by round, one batched call per turn. A
+conversation stops early (counted by reason in `turns_ended`) at a reply cut at --max-new-tokens
+or blank, or where its next prompt is too long; it keeps the replies it has. A conversation without
+an assistant turn (questions only, as MT-bench's) is a prompt too: its turns up to and including
+the first user turn (the later questions ask about a reply the file does not hold).
 
 Replies are plain greedy decoding (`--temperature 0`, the default) or plain temperature sampling,
 stopped by the tokenizer's and generation_config's end-of-turn tokens, the same in both engines:
@@ -84,6 +86,9 @@ class RegenerateConfig:
     temperature: float = setting(0.0, "0: greedy (what the verifier says most likely); > 0: plain sampling.", ge=0)
     seed: int = setting(0, "Sampling seed, offset by each batch's position: a resumed run samples what an "
                            "uninterrupted one does.")
+    turns: int = setting(
+        1, "User turns answered per conversation, each reply written after the verifier's own earlier replies "
+           "(on-policy multi-turn); 0: every user turn.", ge=0)
     batch_size: int = setting(16, "Prompts per generate call (and per fsync'd commit).", ge=1)
     max_prompts: int | None = setting(None, "Only the first N usable prompts (a larger N later extends the file).",
                                       ge=1)
@@ -106,6 +111,7 @@ class Prompt:
     where: str              # "chat.jsonl:8": the input's file name and line (or JSON-array record)
     turns: list[dict]       # the conversation before its first assistant turn
     ids: list[int]          # the turns rendered with the generation prompt
+    later: list[list[dict]] = field(default_factory=list)  # the turns each later reply answers (--turns)
 
 
 @dataclass(frozen=True)
@@ -269,16 +275,13 @@ def weights_sample_hash(model: Path, block: int = 1 << 20) -> str:
 
 def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
     """The usable prompts in input order (the first `max_prompts`), drops by reason, and what was read."""
-    from jinja2 import TemplateError
-
-    from dspark.decode.prompts import prompt_turns, render_prompt, too_long_reason
+    from dspark.decode.prompts import later_turns, prompt_turns
     from dspark.prepare import read_conversations
 
     path = Path(cfg.data)
     data = read_conversations(path, require_assistant=False)
     dropped = Counter(data.dropped)
-    limit = None if max_length is None else max_length - cfg.max_new_tokens
-    if limit is not None and limit < 1:
+    if max_length is not None and max_length - cfg.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens {cfg.max_new_tokens} leaves no room for a prompt in the verifier's "
                          f"maximum length ({max_length})", f"pass --max-new-tokens below {max_length}")
     prompts: list[Prompt] = []
@@ -287,18 +290,12 @@ def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
         if turns is None:
             dropped["no_user_turn"] += 1
             continue
-        try:
-            ids = render_prompt(tokenizer, turns)
-        except TemplateError:
-            dropped["chat_template_error"] += 1
+        ids, refused = render(cfg, tokenizer, max_length, turns)
+        if refused:
+            dropped[refused] += 1
             continue
-        if limit is not None and len(ids) > limit:
-            dropped[too_long_reason(max_length, cfg.max_new_tokens)] += 1
-            continue
-        if cfg.max_prompt_tokens is not None and len(ids) > cfg.max_prompt_tokens:
-            dropped[f"longer than --max-prompt-tokens {cfg.max_prompt_tokens}"] += 1
-            continue
-        prompts.append(Prompt(index, path.name + where.removeprefix(str(path)), turns, ids))
+        later = later_turns(messages)[: cfg.turns - 1 if cfg.turns else None]  # --turns 0: all
+        prompts.append(Prompt(index, path.name + where.removeprefix(str(path)), turns, ids, later))
         if cfg.max_prompts is not None and len(prompts) >= cfg.max_prompts:
             break
     if not prompts:
@@ -306,6 +303,24 @@ def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
         raise InputError(f"{path} has no usable prompt ({counts})",
                          "pass conversations with a user turn before their first assistant reply")
     return prompts, dropped, data
+
+
+def render(cfg: RegenerateConfig, tokenizer, max_length: int | None,
+           turns: list[dict]) -> tuple[list[int], str | None]:
+    """The turns rendered with the generation prompt, and why they are not answered (None: they are)."""
+    from jinja2 import TemplateError
+
+    from dspark.decode.prompts import render_prompt, too_long_reason
+
+    try:
+        ids = render_prompt(tokenizer, turns)
+    except TemplateError:
+        return [], "chat_template_error"
+    if max_length is not None and len(ids) > max_length - cfg.max_new_tokens:
+        return ids, too_long_reason(max_length, cfg.max_new_tokens)
+    if cfg.max_prompt_tokens is not None and len(ids) > cfg.max_prompt_tokens:
+        return ids, f"longer than --max-prompt-tokens {cfg.max_prompt_tokens}"
+    return ids, None
 
 
 def settings_key(cfg: RegenerateConfig, dtype: str) -> dict:
@@ -316,7 +331,9 @@ def settings_key(cfg: RegenerateConfig, dtype: str) -> dict:
     return {"format": FORMAT, "model_config": model_config_hash(model), "tokenizer": tokenizer_hash(model),
             "weights_sample": weights_sample_hash(model), "data": sha256_files([Path(cfg.data)]),
             "engine": cfg.engine, "dtype": dtype, "max_new_tokens": cfg.max_new_tokens,
-            "temperature": cfg.temperature, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens}
+            "temperature": cfg.temperature, "seed": cfg.seed, "max_prompt_tokens": cfg.max_prompt_tokens,
+            # one turn is what every output written before --turns holds: those records stay resumable
+            **({"turns": cfg.turns} if cfg.turns != 1 else {})}
 
 
 def sidecar(output: Path, suffix: str) -> Path:
@@ -332,7 +349,9 @@ class Record:
     done: int = 0             # prompts processed (written or dropped), a prefix of the input order
     bytes: int = 0            # OUTPUT's committed length
     written: int = 0
-    truncated: int = 0
+    truncated: int = 0        # replies cut at --max-new-tokens
+    replies: int = 0          # replies written (more than `written` with --turns)
+    turns_ended: dict = field(default_factory=dict)  # reason -> conversations that stopped before their last turn
     dropped: dict = field(default_factory=dict)  # reason -> count, of drops at generation (empty_reply)
     generated_tokens: int = 0  # over all runs
 
@@ -352,8 +371,8 @@ def resume(output: Path, settings: dict) -> tuple[Record, bool]:
                          "`dspark regenerate` (or its record was lost) and cannot be resumed", start_over)
     try:
         raw = json.loads(path.read_text())
-        record = Record(**raw)
-    except (OSError, ValueError, TypeError) as e:
+        record = Record(**{"replies": raw.get("written", 0), **raw})  # before --turns: one reply a conversation
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON that is no object
         raise InputError(f"{path} is unreadable ({type(e).__name__}: {e})", start_over) from None
     differ = [f"{k} {record.settings.get(k)!r} -> {v!r}" for k, v in settings.items() if record.settings.get(k) != v]
     if differ:
@@ -370,6 +389,50 @@ def resume(output: Path, settings: dict) -> tuple[Record, bool]:
 
 
 # --- the run -----------------------------------------------------------------------------------
+
+ROUND_SEED = 1_000_003  # seed offset per turn: the rounds of one batch never sample from one seed
+
+
+def converse(engine: Generator, cfg: RegenerateConfig, tokenizer, batch: list[Prompt], seed: int,
+             max_length: int | None, record: Record) -> tuple[list[list[dict] | None], int]:
+    """Each prompt's conversation with the verifier's replies (None: its first reply was blank), answered turn by
+    turn, one batched call per turn; and the tokens generated. Cut replies, blank first replies and the
+    conversations that stop early are counted into `record`."""
+    talks = [list(p.turns) for p in batch]
+    out: list[list[dict] | None] = [None] * len(batch)
+    asks = {i: p.ids for i, p in enumerate(batch)}  # conversations with a turn to answer: its prompt's tokens
+    tokens, turn, ended = 0, 0, Counter()
+    while asks:
+        order = sorted(asks)
+        replies = engine.generate([asks[i] for i in order], seed + turn * ROUND_SEED)
+        asks = {}
+        for i, g in zip(order, replies):
+            tokens += len(g.token_ids) + g.finished  # the stop token was generated too
+            if not g.text.strip():
+                if turn == 0:
+                    record.dropped["empty_reply"] = record.dropped.get("empty_reply", 0) + 1
+                else:
+                    ended["blank_reply"] += 1
+                continue
+            record.truncated += not g.finished
+            talks[i].append({"role": "assistant", "content": g.text})
+            out[i] = list(talks[i])
+            if turn == len(batch[i].later):
+                continue
+            if not g.finished:  # the next question would answer a reply cut short
+                ended["cut_reply"] += 1
+                continue
+            talks[i] += batch[i].later[turn]
+            ids, refused = render(cfg, tokenizer, max_length, talks[i])
+            if refused:
+                ended[refused] += 1
+                continue
+            asks[i] = ids
+        turn += 1
+    for reason, n in ended.items():
+        record.turns_ended[reason] = record.turns_ended.get(reason, 0) + n
+    return out, tokens
+
 
 
 def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
@@ -389,7 +452,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     with open(output, "ab") as f:  # appends land at the end, also after resume() truncates
         lock(f, output)
         record, resumed = resume(output, settings)
-        return _run(cfg, f, record, resumed, prompts, dropped, read, tokenizer, stop, dtype, start_time, progress)
+        return _run(cfg, f, record, resumed, prompts, dropped, read, tokenizer, stop, dtype, start_time, progress,
+                    info.max_position_embeddings)
 
 
 def lock(f, output: Path) -> None:
@@ -404,7 +468,7 @@ def lock(f, output: Path) -> None:
 
 
 def _run(cfg, f, record: Record, resumed: bool, prompts: list[Prompt], dropped: Counter, read, tokenizer, stop,
-         dtype: str, start_time: float, progress: bool) -> dict:
+         dtype: str, start_time: float, progress: bool, max_length: int | None) -> dict:
     from tqdm import tqdm
 
     output, resumed_from = Path(cfg.output), record.done
@@ -414,8 +478,9 @@ def _run(cfg, f, record: Record, resumed: bool, prompts: list[Prompt], dropped: 
         """`seconds` and `tokens_per_s` time the generation of this run; `total_seconds` includes loading."""
         reasons = Counter(dropped) + Counter(record.dropped)
         result = {"output": str(output), "engine": cfg.engine, "conversations": read.records,
-                  "prompts": len(prompts), "written": record.written, "resumed_from": resumed_from,
-                  "truncated": record.truncated, "dropped": sum(reasons.values()),
+                  "prompts": len(prompts), "written": record.written, "replies": record.replies,
+                  "resumed_from": resumed_from, "truncated": record.truncated,
+                  "turns_ended": dict(Counter(record.turns_ended).most_common()), "dropped": sum(reasons.values()),
                   "dropped_by_reason": dict(reasons.most_common()), "generated_tokens": tokens,
                   "seconds": round(seconds, 2), "tokens_per_s": round(tokens / seconds, 1) if tokens else None,
                   "total_seconds": round(time.perf_counter() - start_time, 2), "up_to_date": up_to_date, "note": note}
@@ -437,16 +502,14 @@ def _run(cfg, f, record: Record, resumed: bool, prompts: list[Prompt], dropped: 
     try:
         for first in range(record.done, len(prompts), cfg.batch_size):
             batch = prompts[first: first + cfg.batch_size]
-            lines, batch_tokens = [], 0
-            for p, g in zip(batch, engine.generate([p.ids for p in batch], cfg.seed + first)):
-                batch_tokens += len(g.token_ids) + g.finished  # the stop token was generated too
-                if not g.text.strip():
-                    record.dropped["empty_reply"] = record.dropped.get("empty_reply", 0) + 1
+            conversations, batch_tokens = converse(engine, cfg, tokenizer, batch, cfg.seed + first, max_length, record)
+            lines = []
+            for p, messages in zip(batch, conversations):
+                if messages is None:  # its first reply was blank: nothing to train on
                     continue
-                record.truncated += not g.finished
-                line = {"messages": [*p.turns, {"role": "assistant", "content": g.text}],
-                        "source": {"index": p.index, "where": p.where}}
-                lines.append(json.dumps(line, ensure_ascii=False) + "\n")
+                record.replies += sum(m["role"] == "assistant" for m in messages)
+                lines.append(json.dumps({"messages": messages, "source": {"index": p.index, "where": p.where}},
+                                        ensure_ascii=False) + "\n")
             blob = "".join(lines).encode()
             f.write(blob)
             f.flush()

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import run_cli, write_jsonl
 from dspark.decode import longbench
-from dspark.decode.prompts import LONG_BUCKETS, context_bucket, load_prompt_set, parse_spec
+from dspark.decode.prompts import LONG_BUCKETS, context_bucket, later_turns, load_prompt_set, parse_spec
 from dspark.errors import InputError
 from dspark.prepare import PrepareConfig, load_tokenizer, prepare
 from dspark.toy import build_tokenizer, demo_chat_path
@@ -138,6 +138,17 @@ def test_unreadable_sets_are_input_errors_naming_the_file(tok, tmp_path):
         load_prompt_set(str(dropped), tok)
     with pytest.raises(InputError, match="--max-new-tokens 4096 leaves no room"):
         load_prompt_set(str(bad_lb), tok, max_length=4096, max_new_tokens=4096)
+
+
+def test_later_turns_are_the_questions_after_each_reply_while_each_stretch_asks_one():
+    cat = {"role": "user", "content": "Spell cat."}
+    dog = {"role": "user", "content": "Spell dog."}
+    reply = {"role": "assistant", "content": "..."}
+    assert later_turns(CONV) == [[cat]]
+    assert later_turns([*CONV, SYSTEM, dog]) == [[cat], [SYSTEM, dog]]  # a last question the file never answered
+    assert later_turns([USER, reply, reply, cat, reply]) == []  # two replies in a row answer no question
+    assert later_turns([USER, reply, cat, reply, SYSTEM, reply, dog]) == [[cat]]
+    assert later_turns([USER]) == [] and later_turns([USER, reply]) == []
 
 
 def test_specs_and_buckets(tmp_path):

@@ -107,6 +107,35 @@ def test_replies_are_the_verifiers_own_greedy_generations_and_prepare_reads_them
     assert stats["kept"] == len(written) and stats["dropped"] == 0
 
 
+def test_later_turns_are_answered_after_the_verifiers_own_replies(tmp_path, verifier, chat_file):
+    from dspark.decode.prompts import later_turns
+
+    every = tmp_path / "all.jsonl"
+    summary = json.loads(run_cli("regenerate", "--model", verifier, "--data", chat_file, "--output", every,
+                                 "--turns", "0", *SMALL).stdout)
+    written = lines(every)
+    source = [json.loads(line)["messages"] for line in chat_file.read_text().splitlines()]
+    replies = [[i for i, m in enumerate(r["messages"]) if m["role"] == "assistant"] for r in written]
+    assert summary["replies"] == sum(map(len, replies)) > summary["written"] == len(written)
+    ended = 0
+    for r, at in zip(written, replies):
+        original, messages = source[r["source"]["index"]], r["messages"]
+        # the questions are the file's, in order, up to the last one answered
+        questions = [m for m in original if m["role"] != "assistant"]
+        assert [m for m in messages if m["role"] != "assistant"] == questions[: len(messages) - len(at)]
+        assert messages[-1]["role"] == "assistant" and at == sorted(at)
+        ended += len(at) < 1 + len(later_turns(original))
+    assert ended == sum(summary["turns_ended"].values())
+    # each reply is the verifier's own greedy reply to the conversation so far, its earlier replies included
+    expected = greedy_reference(verifier, [r["messages"][:k] for r, at in zip(written, replies) for k in at], 24)
+    assert [r["messages"][k]["content"] for r, at in zip(written, replies) for k in at] == expected
+    # --turns 2 stops each conversation after its second reply, the same replies
+    two = tmp_path / "two.jsonl"
+    run_cli("regenerate", "--model", verifier, "--data", chat_file, "--output", two, "--turns", "2", *SMALL)
+    assert [r["messages"] for r in lines(two)] == [r["messages"][: at[1] + 1] if len(at) > 1 else r["messages"]
+                                                   for r, at in zip(written, replies)]
+
+
 def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(tmp_path, verifier, chat_file):
     args = ["--model", verifier, "--data", chat_file, *KILLED]
     reference = summary_of(cli(sys.executable, *args, "--output", tmp_path / "ref.jsonl"))
@@ -144,6 +173,8 @@ def test_an_output_from_other_settings_or_another_writer_or_not_from_regenerate_
         regenerate(RegenerateConfig(**{**base, "max_new_tokens": 5}), progress=False)
     with pytest.raises(InputError, match=r"another model, data or settings \(temperature 0.0 -> 0.7; seed 0 -> 1\)"):
         regenerate(RegenerateConfig(**{**base, "temperature": 0.7, "seed": 1}), progress=False)
+    with pytest.raises(InputError, match=r"another model, data or settings \(turns None -> 2\)"):
+        regenerate(RegenerateConfig(**{**base, "turns": 2}), progress=False)
     other = write_jsonl(tmp_path / "other.jsonl", chat_file.read_text().splitlines()[5:])
     with pytest.raises(InputError, match=r"another model, data or settings \(data '"):
         regenerate(RegenerateConfig(**{**base, "data": str(other)}), progress=False)

@@ -133,6 +133,27 @@ def prompt_turns(messages: list[dict]) -> list[dict] | None:
     return turns if any(m["role"] == "user" for m in turns) else None
 
 
+def later_turns(messages: list[dict]) -> list[list[dict]]:
+    """The turns each later reply answers: after each assistant turn, those up to the next one (and a last user
+    turn the file holds no reply to), while each such stretch holds a user turn."""
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        return []
+    segments: list[list[dict]] = []
+    current: list[dict] = []
+    for m in messages[roles.index("assistant") + 1:]:
+        if m["role"] != "assistant":
+            current.append(m)
+            continue
+        if not any(t["role"] == "user" for t in current):
+            return segments  # two replies in a row: what follows answers no question of its own
+        segments.append(current)
+        current = []
+    if any(t["role"] == "user" for t in current):
+        segments.append(current)
+    return segments
+
+
 def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of `messages` plus the assistant's generation prompt, tokenized as `prepare` does."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
