@@ -80,8 +80,8 @@ holdout() {
 regenerate() {
   vdspark regenerate --engine vllm --model "$M" --data "$R/data/train_all.jsonl" --output "$R/data/train_regen.jsonl" \
     --max-prompts "$TRAIN_CONVERSATIONS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
-    --max-new-tokens "$REGEN_MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH"
-  # The comparison arm: the same conversations with ShareGPT's own replies (first turn, as regenerated).
+    --max-new-tokens "$REGEN_MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH" --turns "$REGEN_TURNS"
+  # The comparison arm: the same conversations with ShareGPT's own replies, as many turns as regenerated.
   .venv/bin/python - "$R/data" <<'PY'
 import json, sys
 d = sys.argv[1]
@@ -90,9 +90,14 @@ with open(f"{d}/train_original.jsonl", "w", encoding="utf-8") as out:
     for line in open(f"{d}/train_regen.jsonl", encoding="utf-8"):
         regen = json.loads(line)
         messages = json.loads(conversations[regen["source"]["index"]])["messages"]
-        first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        assert messages[:first_reply] == regen["messages"][:-1], f"prompt mismatch at {regen['source']}"
-        out.write(json.dumps({"messages": messages[: first_reply + 1]}, ensure_ascii=False) + "\n")
+        # the original cut after as many replies as the regenerated one holds (all it has, where the verifier also
+        # answered a last question the file never did); the questions asked are the same
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        last = replies[min(sum(m["role"] == "assistant" for m in regen["messages"]), len(replies)) - 1]
+        asked = [m for m in messages[:last] if m["role"] != "assistant"]
+        assert [m for m in regen["messages"] if m["role"] != "assistant"][: len(asked)] == asked, \
+            f"prompt mismatch at {regen['source']}"
+        out.write(json.dumps({"messages": messages[: last + 1]}, ensure_ascii=False) + "\n")
 PY
 }
 prepare() {  # regen: the verifier's own replies; original: ShareGPT's (the comparison arm)
