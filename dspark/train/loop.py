@@ -409,6 +409,11 @@ class Trainer:
         bar.close()
         self.source.close()
         if self.dist.world > 1:
+            # Every rank done with its collectives, and the DDP reducer freed, before the group goes: a reducer freed
+            # after destroy_process_group once left gloo's destructor waiting on a peer that had exited (a hang at
+            # exit, seen under load; pytorch#75097 reports destroy hangs that a barrier before it avoids).
+            self.wrapped = self.model
+            torch.distributed.barrier()
             torch.distributed.destroy_process_group()
         report = self.data.damaged_report()
         if report:
