@@ -434,7 +434,6 @@ def converse(engine: Generator, cfg: RegenerateConfig, tokenizer, batch: list[Pr
     return out, tokens
 
 
-
 def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     """Write (or resume, or find complete) the regenerated chat file; returns the summary."""
     from dspark.prepare import load_tokenizer

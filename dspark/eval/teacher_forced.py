@@ -99,9 +99,10 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
     states and each control (`train/blocks.py`)."""
     from tqdm import tqdm
 
-    from dspark.train.blocks import CONTROLS, Blocks, score_with_controls, with_donors
+    from dspark.train.blocks import Blocks, score_with_controls, sums, with_donors
     from dspark.train.data import Loader
     from dspark.train.loop import to_device
+    from dspark.train.metrics import accumulate, reduce
 
     B = model.block_size
     available = [anchors_available(data, b, B) for b in batches]
@@ -120,46 +121,44 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
             planned.append((i, min(quota[i], n_anchor)))
             yield batch if planned[-1][1] else None
 
-    scored: dict[str, list] = {name: [] for name in ("real", *CONTROLS)}
-    ctx = []
+    acc: dict[str, float] = {}  # each variant's match per position and tau, as training's validation sums them
+    real, ctx = [], []
     place = lambda b: to_device(b, device)  # noqa: E731
     for n, batch, donors in with_donors(read()):
         i, k = planned[n]
         # select_anchors draws with torch's global generator: seeded per batch, so every variant scores the same blocks
-        for name, blocks in score_with_controls(model, batch, donors, place, k, anchor_seed * 1_000_003 + i).items():
-            scored[name].append(blocks)
-        ctx.append(batch["position_ids"][0, scored["real"][-1].anchors].numpy() + 1)
+        scored = score_with_controls(model, batch, donors, place, k, anchor_seed * 1_000_003 + i)
+        accumulate(acc, sums(scored))
+        real.append(scored["real"])
+        ctx.append(batch["position_ids"][0, real[-1].anchors].numpy() + 1)
     if not ctx:
         raise InputError("no supervised positions to evaluate", "evaluate on samples with assistant tokens")
-    real = Blocks.concat(scored["real"])
+    real = Blocks.concat(real)
     result = summarize(real.match, real.accept, real.confidence, real.mask, np.concatenate(ctx))
-    add_controls(result, {c: Blocks.concat(scored[c]) if all(b is not None for b in scored[c]) else None
-                          for c in CONTROLS})
+    add_controls(result, reduce(acc))
     result["anchors"] = {"scored": int(len(real.mask)), "available": total,
                          "max_anchors": max_anchors or None, "seed": anchor_seed}
     return result
 
 
-def add_controls(result: dict, controls: dict) -> None:
-    """Each control's rates beside the real ones, and the state gain: the real rate minus the better control's."""
-    result["controls"] = {}
-    for name, b in controls.items():
-        if b is None:  # one batch of one sample: no other sample to take states from
-            result["controls"][name] = None
-            continue
-        m = b.mask.astype(float)
-        denom = np.maximum(m.sum(0), 1)
-        result["controls"][name] = {
-            "tau_greedy": _tau(b.match, b.mask), "tau_analytic": _tau(b.accept, b.mask),
-            "greedy_match": ((b.match * m).sum(0) / denom).tolist(),
-            "analytic_accept": ((b.accept * m).sum(0) / denom).tolist()}
-    formed = [c for c in result["controls"].values() if c is not None]
-    for k, row in enumerate(result["positions"]):
+def add_controls(result: dict, rates: dict[str, float]) -> None:
+    """Each control's greedy match per position and tau beside the real ones, and the state gain (`blocks.state_gain`:
+    the real rate minus the better control's), from the `metrics.reduce`d sums of `blocks.sums`."""
+    from dspark.train.blocks import CONTROLS, state_gain
+
+    gains = state_gain(rates)
+    positions = [row["position"] for row in result["positions"]]
+    # a control not formed (one batch of one sample: no other sample to take states from) summed nothing; a position
+    # no block supervises has no rate, 0 as in `summarize`
+    result["controls"] = {c: {"tau_greedy": rates[f"{c}_tau"],
+                              "greedy_match": [rates.get(f"{c}_pos{k}_match", 0.0) for k in positions]}
+                          if f"{c}_tau" in rates else None for c in CONTROLS}
+    for k, row in zip(positions, result["positions"]):
         for name, c in result["controls"].items():
-            row[f"{name}_match"] = None if c is None else c["greedy_match"][k]
-        row["state_gain"] = row["greedy_match"] - max(c["greedy_match"][k] for c in formed)
+            row[f"{name}_match"] = None if c is None else rates.get(f"{name}_pos{k}_match", 0.0)
+        row["state_gain"] = gains.get(f"state_gain_pos{k}_match", 0.0)
     result["state_gain"] = {"positions": [row["state_gain"] for row in result["positions"]],
-                            "tau_greedy": result["tau_greedy"] - max(c["tau_greedy"] for c in formed),
+                            "tau_greedy": gains["state_gain_tau"],
                             "against": "the better of " + " and ".join(
                                 name.replace("_", " ") for name, c in result["controls"].items() if c is not None)}
 
