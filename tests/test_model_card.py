@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LAYERS, fit, run_cli, train_cfg
+from dspark.export.card import learning_curve
 from dspark.export.folder import export
 
 VERIFIER = "Org/Tiny"
@@ -111,6 +112,29 @@ def test_report_of_another_checkpoint_is_not_embedded(run, tmp_path):
     shutil.rmtree(copy / "latest" / "eval")
     export(str(copy / "latest"), str(out2), VERIFIER)
     assert "| pos | tokens |" not in (out2 / "README.md").read_text() and not (out2 / "eval.png").exists()
+
+
+def test_the_learning_curve_comes_from_validations_and_from_evals_of_checkpoints_not_validated(run, tmp_path):
+    out = tmp_path / "export"
+    export(str(run / "latest"), str(out), VERIFIER)
+    card = (out / "README.md").read_text()
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if r["split"] == "val"]
+    assert len(val) == 2 and "### Learning curve" in card
+    for r in val:  # tokens: steps x the 512-token packed batch
+        m = r["metrics"]
+        assert f"| {r['step']} | {r['step'] * 512 / 1e6:.2f}M | {m['real_tau']:.4g} | " \
+               f"{m['state_gain_pos1_match']:+.3f} |" in card
+    rise = val[1]["metrics"]["real_tau"] - val[0]["metrics"]["real_tau"]  # the verdict follows the last two points
+    verdict = "Still rising" if rise > 0 else "Level or falling"
+    assert f"{verdict} at the last point ({rise:+.3f})" in card
+
+    # A run stopped by --max-steps between validations: the checkpoint's own `dspark eval` is its point, and a
+    # checkpoint neither validated nor evaluated has none.
+    curve = learning_curve(run, [r for r in records if r["split"] == "train"])
+    e = json.loads(((run / "latest").resolve() / "eval" / "eval.json").read_text())
+    assert curve == [{"step": val[-1]["step"], "tokens": val[-1]["step"] * 512, "tau": e["tau_greedy"],
+                      "state_gain": e["state_gain"]["positions"][0]}]
 
 
 def test_decode_report_is_embedded_without_local_paths(run, tmp_path):

@@ -62,6 +62,43 @@ def metrics_table(records: list[dict], best_step: int | None, step: int | None =
     return "\n".join([head, sep, *body])
 
 
+def learning_curve(run: Path, records: list[dict], upto: int | None = None) -> list[dict]:
+    """Validation tau and position 1's state gain over a run: each validation it logged, and `dspark eval` of the
+    validation split at each checkpoint it did not validate (a --max-steps stop lands between validations).
+
+    Tau: chained greedy where measured (runs since the state gain), else speculators' analytic accept length.
+    Tokens: steps x the packed batch length, an upper bound."""
+    batch = ((read_json(run / "config.json") or {}).get("train") or {}).get("total_seq_len")
+    points = {}
+    for r in records:
+        if r.get("split") == "val" and isinstance(r.get("step"), int):
+            m = r["metrics"]
+            points[r["step"]] = (m.get("real_tau", m.get("accept_len")), m.get("state_gain_pos1_match"))
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        step, e = step_of(ckpt), read_json(ckpt / EVAL_DIR / "eval.json")
+        if step is not None and step not in points and (upto is None or step <= upto) and e and e.get("split") == "val":
+            points[step] = (e.get("tau_greedy"), ((e.get("state_gain") or {}).get("positions") or [None])[0])
+    return [{"step": step, "tokens": step * batch if batch else None, "tau": tau, "state_gain": gain}
+            for step, (tau, gain) in sorted(points.items())]
+
+
+def curve_table(curve: list[dict]) -> str:
+    rows = [f"| {c['step']} | " + (f"{c['tokens'] / 1e6:.2f}M" if c["tokens"] else "-") + f" | {_num(c['tau'])} | "
+            + (f"{c['state_gain']:+.3f}" if c["state_gain"] is not None else "-") + " |" for c in curve]
+    return "\n".join(["| step | training tokens | validation tau | state gain pos 1 |", "|---:|---:|---:|---:|", *rows])
+
+
+def _trend(curve: list[dict]) -> str:
+    """Whether the last two points say more training would pay: the question a user reads the curve for."""
+    taus = [c["tau"] for c in curve if c["tau"] is not None]
+    if len(taus) < 2:
+        return ""
+    rise = taus[-1] - taus[-2]
+    if rise > 0:
+        return f" Still rising at the last point ({rise:+.3f}): more steps or more distinct data would pay."
+    return f" Level or falling at the last point ({rise:+.3f}): more of the same data would not pay."
+
+
 # --- acceptance reports -------------------------------------------------------------------------
 
 _ABS_PATH = re.compile(r"(?<![\w.:/~<>])(?:~|\.{1,2})?/(?:[\w.@+-]+/)*[\w.@+-]+")
@@ -245,6 +282,12 @@ def _training(p: Provenance, ckpt: Path, verifier: str) -> list[str]:
         out += ["### Final training figures", "",
                 "From the run's `metrics.jsonl` up to this checkpoint. tau is the mean acceptance length (with "
                 "the bonus token): analytic (1-TV) and greedy.", "", table, ""]
+    curve = learning_curve(p.run, p.metrics, p.step)
+    if curve:
+        out += ["### Learning curve", "",
+                "Validation tau (greedy, each draft chained from the one before) and the state gain at position 1 "
+                "(what the verifier's states bring) up to this checkpoint: each validation the run logged, and "
+                "`dspark eval` of each checkpoint it did not validate." + _trend(curve), "", curve_table(curve), ""]
     return out
 
 
