@@ -262,6 +262,7 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "ev",
                    "--prompts", f"chat={chat_file}", "--prompts", f"long={lb}", "--max-prompts", "2",
                    "--max-new-tokens", "16", "--no-progress")
+    assert "%|" not in proc.stderr  # --no-progress draws no bar, the teacher-forced pass's included
     result = json.loads((tmp_path / "ev" / "decode.json").read_text(), parse_constant=refuse_non_json)
     assert [d["name"] for d in result["datasets"]] == ["chat", "long"]
     for d in result["datasets"]:

@@ -18,7 +18,7 @@ def eval_cmd(cfg: EvalConfig, shown: Progress):
     if cfg.decode:  # its mistakes are one line before the teacher-forced pass, not after it
         decoding = cfg.decode_config()
     result, out = run_eval(cfg.checkpoint, cfg.store, cfg.data_path, verifier, cfg.output, cfg.split, cfg.device,
-                           cfg.on_damaged, cfg.max_anchors, cfg.anchor_seed)
+                           cfg.on_damaged, cfg.max_anchors, cfg.anchor_seed, not shown.no_progress)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
     if cfg.decode:

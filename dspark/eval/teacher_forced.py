@@ -94,7 +94,7 @@ def allocate_anchors(available: list[int], max_anchors: int, seed: int) -> list[
 
 
 def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_ANCHORS,
-             anchor_seed: int = ANCHOR_SEED) -> dict:
+             anchor_seed: int = ANCHOR_SEED, progress: bool = True) -> dict:
     """Score `batches` on a seeded sample of anchors, chaining the drafts as decoding does, with the real context
     states and each control (`train/blocks.py`)."""
     from tqdm import tqdm
@@ -114,7 +114,7 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
 
     def read():
         nonlocal total
-        for i, batch in zip(todo, tqdm(loader, desc="eval", unit="batch", leave=False)):
+        for i, batch in zip(todo, tqdm(loader, desc="eval", unit="batch", leave=False, disable=not progress)):
             # fewer anchors than planned when a damaged sample was skipped, none when all of them were
             n_anchor = 0 if batch is None else int((batch["loss_mask"][0, :-B] > 0).sum())
             total -= available[i] - n_anchor
@@ -284,7 +284,7 @@ def plot(result: dict, path: Path, title: str) -> None:
 
 def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier: str | None, output: str | None,
              split: str, device: str = "auto", on_damaged: str = "skip", max_anchors: int = MAX_ANCHORS,
-             anchor_seed: int = ANCHOR_SEED) -> tuple[dict, Path]:
+             anchor_seed: int = ANCHOR_SEED, progress: bool = True) -> tuple[dict, Path]:
     """Score a checkpoint on a seeded sample of `max_anchors` blocks (0: all); damaged samples are skipped and
     named (`on_damaged="skip"`) or stop it ("raise")."""
     import sys
@@ -320,7 +320,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
                      cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None,
                      layers=model.target_layer_ids)  # the drafter's layers, of the store's
     batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
-    result = evaluate(model, data, batches, dev, max_anchors, anchor_seed)
+    result = evaluate(model, data, batches, dev, max_anchors, anchor_seed, progress)
     result.update(checkpoint=str(ckpt), store=str(store), split=split)
     if data.damaged:
         result["damaged_skipped"] = sorted(data.damaged)
