@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import LAYERS, fit, run_cli, train_cfg as cfg
+from conftest import LAYERS, fit, run_cli, train_cfg as cfg, wait_for
 from dspark.errors import CheckpointError, InputError, StoreError, StoreMismatch
 from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
 from dspark.train.loop import Trainer
@@ -410,3 +410,43 @@ def test_replay_compares_a_metric_written_as_null_and_tells_it_from_a_missing_on
     assert first_divergence(rec(loss=None), rec(loss=None), 0.0) is None  # NaN both times: reproduced
     assert first_divergence(rec(loss=None), rec(loss=1.5), 0.0) == "record 0 (step 1, train): loss recorded None, replayed 1.5"
     assert first_divergence(rec(loss=1.0), rec(), 0.0) == "record 0 (step 1, train): metric loss only in the record"
+
+
+
+def parked_on_its_end_marker(thread) -> bool:
+    """Whether the thread waits in Queue.put with the end-of-pass marker (None): the queue is full."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "put" and frame.f_code.co_filename.endswith("queue.py"):
+            return frame.f_locals.get("item", ...) is None
+        frame = frame.f_back
+    return False
+
+
+def test_an_error_in_the_step_while_the_loaders_queue_is_full_ends_the_loop_at_once(store, prepared):
+    """The step raising (OOM, divergence, Ctrl-C) with the last batches queued: the loader thread, blocked on
+    its full queue, must let the loop end instead of hanging the rank (and under torchrun the whole job)."""
+    import threading
+
+    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.prepare import PreparedData
+    from dspark.train.data import Loader, TrainData
+
+    data = TrainData(ZarrStore(store), PreparedData(prepared), 512, 0.9, 0)  # nothing kept: read on a thread
+    loader = Loader(data, data.epoch_batches(0)[:2], num_workers=1, prefetch=1)
+    raised = []
+
+    def train():
+        try:
+            for _ in loader:  # batch 1 trains while batch 2 fills the queue and the end marker waits
+                producer = next(t for t in threading.enumerate() if t.name == "dspark-loader")
+                wait_for(lambda: parked_on_its_end_marker(producer), 10, "the loader to block on its full queue")
+                raise RuntimeError("CUDA out of memory")
+        except RuntimeError as e:
+            raised.append(str(e))
+
+    t = threading.Thread(target=train, daemon=True)
+    t.start()
+    t.join(20)
+    assert not t.is_alive(), "the training loop hung joining its loader"
+    assert raised == ["CUDA out of memory"]

@@ -243,6 +243,17 @@ class Loader:
         q: queue.Queue = queue.Queue(self.prefetch)
         stop = threading.Event()
 
+        def put(item) -> bool:
+            """Queue item unless the consumer has stopped: a bare put on a full queue would block this thread,
+            and the consumer's join with it, forever (an exception in the training step near a pass's end)."""
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def produce():
             _one_torch_thread()
             try:
@@ -263,20 +274,14 @@ class Loader:
                         item = self._collate(b, [f.result() for f in reads])  # (batch or None, skipped ids)
                         if item[0] is None and set(b) - self._leave_out and self.data.source.wait_for_recovery(stop):
                             item = self._collate(b, list(pool.map(self._read, b)))  # the source is back: once more
-                        while not stop.is_set():
-                            try:
-                                q.put(item, timeout=0.1)
-                                break
-                            except queue.Full:
-                                continue
-                        if stop.is_set():
+                        if not put(item):
                             for f in (f for _, reads in ahead for f in reads):
                                 f.cancel()
                             return
             except BaseException as e:  # hand the failure to the consumer, which re-raises it
-                q.put(e)
+                put(e)
                 return
-            q.put(None)
+            put(None)
 
         t = threading.Thread(target=produce, daemon=True, name="dspark-loader")
         t.start()
