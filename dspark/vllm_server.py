@@ -19,6 +19,23 @@ from dspark.errors import DsparkError, InputError
 from dspark.hub import local_model
 
 
+RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners V1 and V2 (vllm/envs.py)
+SERVER_INFO_PATH = "/dspark/server"
+SERVER_INFO_MIDDLEWARE = "dspark.vllm_server.server_info"  # vLLM's --middleware takes an import path
+
+
+async def server_info(request, call_next):
+    """An HTTP middleware vLLM loads into its API server (`--middleware`): GET /dspark/server answers the model
+    runner the server's own config chose (`vllm_config.use_v2_model_runner`, decided in each of its processes
+    from the same environment), which vLLM reports nowhere else outside its development mode."""
+    if request.method == "GET" and request.url.path == SERVER_INFO_PATH:
+        from starlette.responses import JSONResponse  # vLLM's web framework, there in the server's interpreter
+
+        v2 = request.app.state.vllm_config.use_v2_model_runner
+        return JSONResponse({"vllm_model_runner": "v2" if v2 else "v1"})
+    return await call_next(request)
+
+
 class LaunchError(DsparkError):
     """The server did not come up."""
 

@@ -76,6 +76,7 @@ class FakeVLLM:
     vllm: bool = True              # False: /metrics answers 404 (an OpenAI-compatible server that is not vLLM)
     die_after: int | None = None   # answer this many POSTs, then drop the next connection and go down
     stream_error: str | None = None  # every reply fails mid-stream with this message, as vLLM reports it
+    runner: str | None = None      # "v1"/"v2": GET /dspark/server answers it, as serve-draft's vLLM does
     posts: list[tuple[str, dict]] = field(default_factory=list)
     counters: dict = field(default_factory=lambda: copy.deepcopy(START))
     prompt_tokens: int = 0
@@ -145,6 +146,10 @@ class _Handler(BaseHTTPRequestHandler):
                 {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": MAX_MODEL_LEN}]}))
         elif self.path == "/metrics" and (text := fake.metrics()) is not None:
             self._reply(200, "text/plain; version=0.0.4; charset=utf-8", text)
+        elif self.path == "/version":
+            self._reply(200, "application/json", json.dumps({"version": "0.33.0"}))
+        elif self.path == "/dspark/server" and fake.runner:
+            self._reply(200, "application/json", json.dumps({"vllm_model_runner": fake.runner}))
         else:
             self._reply(404, "application/json", json.dumps({"detail": "Not Found"}))
 
@@ -343,6 +348,14 @@ def test_compare_endpoint_gives_the_speedup(serve, sets, verifier, tmp_path):
     assert d["speedup"] == theirs["speedup_of_endpoint"] == ours["tokens_per_s"] / theirs["tokens_per_s"]
     assert [b["prompt"] for b in plain.sent()] == [b["prompt"] for b in fast.sent()]  # the same prompts
     assert f"| {d['speedup']:.2f}x |" in (tmp_path / "bench.md").read_text()
+
+
+def test_each_servers_vllm_version_and_model_runner_are_recorded_as_it_reports_them(serve, sets, verifier, tmp_path):
+    """The runner from serve-draft's GET /dspark/server (vLLM's own config); a server without it records None."""
+    served, other = serve(runner="v2"), serve(spec=False)
+    bench(served, verifier, tmp_path, [sets["humaneval"]], compare_endpoint=other.url, max_tokens=8)
+    servers = json.loads((tmp_path / "bench.json").read_text())["servers"]
+    assert [(s["vllm_version"], s["vllm_model_runner"]) for s in servers] == [("0.33.0", "v2"), ("0.33.0", None)]
 
 
 def test_server_without_spec_decode_warns_once(serve, sets, verifier, tmp_path):

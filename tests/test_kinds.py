@@ -144,9 +144,8 @@ def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, veri
     assert config["speculators_model_type"] == "dflash" and config["architectures"] == ["DFlashDraftModel"]
     decodes_like_the_verifier(out, verifier, prepared)
     cfg = ServeDraftConfig(verifier="v", drafter=str(out))
-    for gpu in (False, True):
-        assert choose(cfg, gpu)[:2] == ("dflash", 7)
-        assert choose(cfg, gpu)[2] is None  # no warning: the layout V1's DFlash proposer serves
+    for gpu, runner in ((False, "v1"), (True, "v2")):
+        assert choose(cfg, gpu) == ("dflash", 7, runner)  # the layout DFlash's proposer serves on either runner
     with pytest.raises(InputError, match="does not serve .*, a dflash drafter"):
         choose(ServeDraftConfig(verifier="v", drafter=str(out), method="dspark"), True)
     card = (out / "README.md").read_text()
@@ -222,8 +221,8 @@ def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(ea
     run_cli("export", os.path.join(c.save_path, "latest"), "--output", out, "--verifier-name", "Org/Tiny")
     assert json.loads((out / "config.json").read_text())["speculators_model_type"] == "eagle3"
     decodes_like_the_verifier(out, verifier, prepared)
-    for gpu in (False, True):
-        assert choose(ServeDraftConfig(verifier="v", drafter=str(out)), gpu) == ("eagle3", 3, None)
+    for gpu, runner in ((False, "v1"), (True, "v2")):
+        assert choose(ServeDraftConfig(verifier="v", drafter=str(out)), gpu) == ("eagle3", 3, runner)
     with pytest.raises(InputError, match="does not serve .*, a eagle3 drafter"):
         choose(ServeDraftConfig(verifier="v", drafter=str(out), method="dflash"), False)
     card = (out / "README.md").read_text()

@@ -95,6 +95,22 @@ def test_stock_zarr_python_reads_what_dspark_writes(tmp_path):
                 assert np.array_equal(arrays["scales"][sl], scales)
 
 
+def test_the_segment_records_the_engine_its_sink_config_names_through_vllms_extra_config(tmp_path):
+    """The vLLM engine's runner and version reach its workers' sinks as JSON, and each segment they write keeps them."""
+    import zarr
+
+    from dspark.connector.config import SinkConfig
+
+    engine = {"vllm_version": "0.33.0", "vllm_model_runner": "v2"}
+    cfg = SinkConfig.from_extra_config(SinkConfig(store=str(tmp_path), segment_attrs=engine).to_extra_config())
+    sink = cfg.open(manifest())
+    sink.write(make_sample(0))
+    sink.close()
+    (seg,) = (tmp_path / "segments").iterdir()
+    attrs = zarr.open_array(seg / "hidden", mode="r").attrs
+    assert {k: attrs[k] for k in engine} == engine and attrs["logical_dtype"] == "bfloat16"
+
+
 def test_a_store_written_with_slash_chunk_keys_still_reads(tmp_path):
     """Stores before this layout keep chunks at c/<c>/0/0; the reader follows each array's metadata."""
     import json

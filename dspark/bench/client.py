@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from dspark.bench.metrics import Reading, read
 from dspark.errors import DsparkError
+from dspark.vllm_server import SERVER_INFO_PATH
 
 NETWORK_ERRORS = (OSError, http.client.HTTPException)  # refused, reset, timed out, cut short, garbled
 
@@ -105,6 +106,20 @@ class Server:
         if not isinstance(models, list) or not models or not all(isinstance(m, dict) and "id" in m for m in models):
             raise BenchError(f"{self.base}/v1/models lists no model", "pass the URL of a vLLM server that serves one")
         return models
+
+    def _answer(self, path: str, key: str) -> str | None:
+        """`key` of GET path's JSON; None where the server does not answer it (not every server has the route)."""
+        try:
+            value = json.loads(self._get(path)).get(key)
+        except (*NETWORK_ERRORS, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) else None
+
+    def runtime(self) -> dict:
+        """The server's vLLM version (GET /version) and model runner (GET /dspark/server, which `dspark serve-draft`
+        adds to vLLM): what the server itself reports, None where it does not."""
+        return {"vllm_version": self._answer("/version", "version"),
+                "vllm_model_runner": self._answer(SERVER_INFO_PATH, "vllm_model_runner")}
 
     def metrics(self) -> Reading:
         """GET /metrics; a server without it, or without vLLM's metrics in it, is not one we can read."""

@@ -66,6 +66,7 @@ class Target:
     model: str
     max_model_len: int | None
     speculative: bool
+    runtime: dict  # its vLLM version and model runner, as it reports them
 
 
 def _target(label: str, url: str, cfg: BenchConfig, flag: str) -> Target:
@@ -77,7 +78,8 @@ def _target(label: str, url: str, cfg: BenchConfig, flag: str) -> Target:
     card = next(m for m in models if m["id"] == cfg.model) if cfg.model else models[0]
     reading = server.metrics()
     limit = card.get("max_model_len")
-    return Target(label, server, card["id"], limit if isinstance(limit, int) else None, reading.spec is not None)
+    return Target(label, server, card["id"], limit if isinstance(limit, int) else None, reading.spec is not None,
+                  server.runtime())
 
 
 def _payload(cfg: BenchConfig, model: str, prompt, tokens: int) -> tuple[str, dict]:
@@ -199,7 +201,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict
     result = {"endpoint": main.server.base, "compare_endpoint": targets[1].server.base if len(targets) > 1 else None,
               "model": main.model, "tokenizer": str(tokenizer_path),
               "servers": [{"label": t.label, "url": t.server.base, "model": t.model, "speculative": t.speculative,
-                           "max_model_len": t.max_model_len} for t in targets],
+                           "max_model_len": t.max_model_len, **t.runtime} for t in targets],
               "config": asdict(cfg), "datasets": datasets}
     out = Path(cfg.output)
     write_report(result, out, "bench", markdown, plot, f"dspark bench: {main.server.base}")

@@ -45,5 +45,4 @@ def serve_draft(vllm_args, **kw):
     from dspark.serve_draft import serve_draft as run
 
     cfg, shown = configs(kw, ServeDraftConfig, PrintOnly)
-    sys.exit(run(cfg, list(vllm_args), shown.print_only,
-                 warn=lambda line: click.secho(f"WARNING: {line}", fg="red", err=True)))
+    sys.exit(run(cfg, list(vllm_args), shown.print_only))

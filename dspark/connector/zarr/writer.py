@@ -81,10 +81,12 @@ class ZarrSink(Sink):
     MAX_INFLIGHT = 4  # chunks queued or being written; more makes write() wait (bounded memory)
 
     def __init__(self, root: str | Path, manifest: StoreManifest, writer_id: str | None = None,
-                 rewrite: Iterable[int] = (), write_threads: int = 2, accept_other_weights: bool = False):
+                 rewrite: Iterable[int] = (), write_threads: int = 2, accept_other_weights: bool = False,
+                 segment_attrs: dict[str, str] | None = None):
         self.root = Path(root)
         self.manifest = manifest.create_or_match(self.root, accept_other_weights)
         self._weights_hash = manifest.verifier_weights_hash  # this writer's: its segment records it
+        self._segment_attrs = dict(segment_attrs or {})  # e.g. the vLLM runner that extracted: the segment records it
         self.write_threads = write_threads  # 0: compress and write in the caller's thread
         self._known = set(ZarrStore(self.root).sample_ids) - set(rewrite)
         self._writer_id = writer_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -127,7 +129,7 @@ class ZarrSink(Sink):
         if m.encoding == "fp8_e4m3":
             specs["scales"] = ((CAPACITY, L), (C, L), np.float32, small)
         attrs = {"logical_dtype": m.dtype, "encoding": m.encoding, "layer_ids": m.captured_layer_ids,
-                 "verifier_weights_hash": self._weights_hash}
+                 "verifier_weights_hash": self._weights_hash, **self._segment_attrs}
         for name, (shape, chunks, dtype, codec) in specs.items():  # zarr writes the metadata, we the chunks
             group.create_array(name, shape=shape, chunks=chunks, dtype=dtype, compressors=[codec], fill_value=0,
                                config=cfg, attributes=attrs if name == "hidden" else None,
@@ -303,7 +305,8 @@ class ZarrSink(Sink):
 
 @register_sink("zarr")
 def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, rewrite: Iterable[int] = (),
-                    accept_other_weights: bool = False, **_) -> ZarrSink:
+                    accept_other_weights: bool = False, segment_attrs: dict[str, str] | None = None, **_) -> ZarrSink:
     if store is None:
         raise InputError("writing to zarr needs a store folder", "pass --store PATH")
-    return ZarrSink(store, manifest, rewrite=rewrite, accept_other_weights=accept_other_weights)
+    return ZarrSink(store, manifest, rewrite=rewrite, accept_other_weights=accept_other_weights,
+                    segment_attrs=segment_attrs)
