@@ -55,11 +55,14 @@ base_image() {
   if docker image inspect "$1" >/dev/null 2>&1 || timeout 120 docker pull -q "$1" >/dev/null 2>&1; then
     echo "$1"; return
   fi
-  if ! docker image inspect "$LOCAL_BASE" >/dev/null 2>&1; then
+  # A base built before it carried a compiler is built again.
+  if ! docker run --rm --entrypoint sh "$LOCAL_BASE" -c 'command -v cc' >/dev/null 2>&1; then
     say "$1 cannot be pulled: building $LOCAL_BASE with debootstrap from $DEBIAN_MIRROR"
     command -v debootstrap >/dev/null || apt_install debootstrap
-    local root; root=$(mktemp -d)
-    debootstrap --variant=minbase --include=python3,python3-venv,libibverbs1,librdmacm1,libnuma1,libcurl4,ca-certificates,procps \
+    local root pkgs=python3,python3-venv,libibverbs1,librdmacm1,libnuma1,libcurl4,ca-certificates,procps
+    pkgs+=,gcc,libc6-dev,python3-dev  # Triton builds its launcher at run time (docker/bin/dspark-image-setup)
+    root=$(mktemp -d)
+    debootstrap --variant=minbase --include="$pkgs" \
       bookworm "$root" "$DEBIAN_MIRROR" >"$root.log" 2>&1 || die "debootstrap failed: $(tail -n 3 "$root.log")"
     rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/*
     tar -C "$root" -c . | docker import -c 'ENV LANG=C.UTF-8' -c 'CMD ["/bin/bash"]' - "$LOCAL_BASE" >/dev/null

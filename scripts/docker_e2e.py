@@ -1,6 +1,8 @@
 """The compose pipeline end to end on the CPU defaults, inspected through the docker SDK.
 
 Run by scripts/docker-e2e.sh once both images exist (scripts/docker-build.sh):
+  0. both images carry `cc` and their Python's Python.h: Triton builds its launcher with them at run
+     time (torch.compile and the fused losses in training, vLLM's Model Runner V2 on CUDA);
   1. live: `docker compose up -d`; once training has checkpointed, the trainer container is
      killed (SIGKILL); `up -d` again must resume it from that checkpoint, finish, and stop the
      master and the extractor; then checkpoints, eval report, export and a verified cache;
@@ -94,6 +96,23 @@ def exited_ok(*services: str) -> None:
             raise AssertionError(f"{s}: {st['Status']}, exit code {st['ExitCode']} (expected exited, 0)")
 
 
+# Each says what is missing, in the words of the fix.
+TOOLCHAIN = """command -v cc >/dev/null || { echo 'no C compiler (cc): install gcc and libc6-dev' >&2; exit 1; }
+python -c 'import os, sys, sysconfig; h = os.path.join(sysconfig.get_paths()["include"], "Python.h")
+sys.exit(0 if os.path.exists(h) else f"no {h}: install the headers of this Python (python3-dev)")'"""
+
+
+def check_toolchain() -> None:
+    for image in (f"dspark-trainer:{TAG}", f"dspark-extractor:{TAG}"):
+        try:
+            client.containers.run(image, ["-c", TOOLCHAIN], entrypoint="sh", remove=True, stderr=True)
+        except docker.errors.ContainerError as e:
+            why = (e.stderr or b"").decode(errors="replace").strip()
+            raise AssertionError(f"{image} cannot build Triton's launcher: {why}. docker/bin/dspark-image-setup "
+                                 "installs them: rebuild with scripts/docker-build.sh") from None
+    say("both images carry cc and Python.h")
+
+
 def checkpoints(run: Path) -> list[str]:
     return sorted(p.name for p in (run / "checkpoints").glob("step-[0-9]*") if not p.name.endswith(".tmp"))
 
@@ -127,6 +146,7 @@ def check_outputs(cache: Path, source: str, store: str) -> dict:
 
 
 def main() -> None:
+    check_toolchain()
     cache = Path(tempfile.mkdtemp(prefix="dspark-e2e-"))
     os.chown(cache, 1000, 1000)  # the containers' user (DSPARK_UID)
     env = {**os.environ, "DSPARK_CACHE": str(cache), "DSPARK_TAG": TAG}

@@ -1,73 +1,126 @@
 #!/usr/bin/env bash
-# What only a GPU exercises in the vLLM extractor: the side-stream device->host copy into pinned
-# staging, and (with 2+ GPUs) tensor parallelism where rank 0 alone writes. Run where CUDA and
-# vLLM 0.33 exist (`bash scripts/setup.sh --vllm` picks vllm==0.33.0 when nvidia-smi answers).
-# It extracts the same samples with vLLM and with the transformers engine on the GPU and compares;
-# then serves a drafter in DSpark's layout with `method: dspark` (Model Runner V2, GPU only) through
-# `dspark serve-draft`, and `dspark bench` reads its acceptance from vLLM's counters.
-set -euo pipefail
+# What only a GPU exercises in the vLLM extractor and in serving, on your own GPU host with .venv
+# (CUDA torch) and .venv-vllm (`bash scripts/setup.sh --vllm` picks vllm==0.33.0 when nvidia-smi
+# answers). The trainer side alone, on a machine without vLLM: scripts/gpu_check_device.sh.
+#   - extraction in bf16 (what production runs), each against the transformers engine in fp32 on
+#     the CPU by relative L2: transformers on CUDA, vLLM with its default runner (Model Runner V2)
+#     and with V1 (VLLM_USE_V2_MODEL_RUNNER=0); with 2+ GPUs, TP=2 where rank 0 alone writes;
+#   - an abort probe: a request dropped mid-prefill (chunked, 32 tokens a step) leaves no partial
+#     sample in the store, and the server serves the next one;
+#   - a drafter served with `method: dspark` (Model Runner V2) and the verifier alone, measured by
+#     `dspark bench`, beside `dspark eval --decode`.
+# Servers run one after another, never two at once, each with GPU_MEM of the GPU, and each wait for
+# /health has a timeout and fails at once if the server died (its log's tail is printed). Each step
+# runs under its own timeout, a failed one is recorded and the next one runs; summary.txt,
+# failures.txt and logs.tar.gz go to OUT (default cache/gpu-check). Exit status 1 if any failed.
+# --dry-run (or DSPARK_GPU_CHECK_DRY=1): on the CPU with .venv alone, what needs no vLLM 0.33 or
+# CUDA (the abort probe against `dspark serve`, the CPU stand-in); CI runs it (tests/test_gpu_check.py).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-W=${DSPARK_GPU_CHECK:-cache/gpu-check}
-TP=$(nvidia-smi -L | wc -l); TP=$(( TP >= 2 ? 2 : 1 ))
-dspark() { .venv/bin/dspark "$@"; }
-set -x
-[ -f "$W/tiny/model.safetensors" ] || dspark toy-verifier --output "$W/tiny"
-dspark prepare --model "$W/tiny" --data "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" \
-    --output "$W/prepared" --seq-length 512 --minimum-valid-tokens 16
-dspark extract --to zarr --model "$W/tiny" --data "$W/prepared" --store "$W/ref" --target-layer-ids 1 3 5 \
-    --device cuda --dtype float32 --no-progress
-# TP=1: the side-stream copy into pinned staging, through `dspark extract --engine vllm`.
-.venv-vllm/bin/dspark extract --engine vllm --to zarr --model "$W/tiny" --data "$W/prepared" --store "$W/vllm" \
-    --target-layer-ids 1 3 5 --dtype float32 --no-progress
-if [ "$TP" -ge 2 ]; then  # TP=2 through the launcher: rank 0 alone writes, every request still finishes
-  .venv-vllm/bin/python scripts/launch_vllm.py "$W/tiny" --hidden-states-backend zarr --store "$W/vllm-tp2" \
-      --data "$W/prepared" --target-layer-ids 1 3 5 -- --port 8765 --tensor-parallel-size 2 --dtype float32 &
-  LAUNCHER=$!
-  until curl -sf localhost:8765/health >/dev/null; do sleep 2; done
-  MODEL=$(curl -s localhost:8765/v1/models | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
-  FP=$(.venv/bin/python -c "import json; print(json.load(open('$W/prepared/prepare.json'))['fingerprint'])")
-  for i in 0 1 2 3; do
-    TOK=$(.venv/bin/python -c "from dspark.prepare import PreparedData; print(PreparedData('$W/prepared').token_ids($i).tolist())")
-    curl -sf localhost:8765/v1/completions -H 'Content-Type: application/json' -d "{\"model\": \"$MODEL\", \"prompt\": $TOK, \"max_tokens\": 1, \"kv_transfer_params\": {\"sample_id\": $i, \"prepared_fingerprint\": \"$FP\"}}" >/dev/null
-  done
-  kill -TERM $LAUNCHER; wait $LAUNCHER || true
-  dspark store verify "$W/vllm-tp2" --no-progress
+DRY=${DSPARK_GPU_CHECK_DRY:-0}
+[ "${1:-}" != --dry-run ] || DRY=1
+: "${OUT:=cache/gpu-check}"
+: "${BUDGET:=3600}"
+: "${GPU_MEM:=0.5}"          # one server at a time: half the GPU leaves room for anything else on it
+: "${PORT:=8765}"
+: "${READY_TIMEOUT:=600}"    # vLLM loads, compiles and captures graphs before /health answers
+# shellcheck source=scripts/gpu_check_common.sh
+. scripts/gpu_check_common.sh
+DS=(.venv/bin/python -m dspark.cli)
+VDS=(.venv-vllm/bin/python -m dspark.cli)
+LIB=(.venv/bin/python scripts/gpu_check_lib.py)
+URL=http://127.0.0.1:$PORT
+if [ "$DRY" = 1 ]; then
+  DEV=cpu TOY_STEPS=1 CHATS=40 STEPS=4 PROMPTS=2 TOKENS=16 TP=1
+else
+  DEV=cuda TOY_STEPS=150 CHATS=400 STEPS=0 PROMPTS=20 TOKENS=64 TP=$(nvidia-smi -L | wc -l)
 fi
-dspark store verify "$W/vllm" --no-progress
-.venv/bin/python - "$W" <<'PY'
-import sys
-from dspark.connector.zarr.reader import ZarrStore
-v, t = ZarrStore(f"{sys.argv[1]}/vllm"), ZarrStore(f"{sys.argv[1]}/ref")
-assert v.sample_ids == t.sample_ids
-worst = max((v.read(i).hidden_states - t.read(i).hidden_states).abs().max().item() for i in v.sample_ids)
-print(f"GPU vLLM vs transformers, fp32: max |diff| {worst:.3g} over {len(v)} samples")
-assert worst < 1e-3, worst
-PY
+CHAT=$W/chat.jsonl
+head -n "$CHATS" "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" >"$CHAT"
+LAYERS=(--target-layer-ids 1 3 5)
 
-# serve-draft + bench: what a CPU cannot run. A drafter in DSpark's layout (the default) is served with
-# `method: dspark` on Model Runner V2; bench reads vLLM's counters and compares with the verifier alone.
-dspark train --config scripts/configs/demo.yaml --from zarr --store "$W/ref" --data-path "$W/prepared" \
-    --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device cuda --no-progress
-dspark export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
-.venv-vllm/bin/dspark serve-draft --verifier "$W/tiny" --drafter "$W/export" --port 8766 --dtype float32 &
-DRAFTED=$!
-.venv-vllm/bin/dspark serve-draft --verifier "$W/tiny" --method none --port 8767 --dtype float32 &
-ALONE=$!
-trap 'kill -TERM $DRAFTED $ALONE 2>/dev/null || true' EXIT
-until curl -sf localhost:8766/health >/dev/null && curl -sf localhost:8767/health >/dev/null; do sleep 2; done
-CHAT=$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')
-dspark bench --endpoint http://127.0.0.1:8766 --compare-endpoint http://127.0.0.1:8767 --prompts demo="$CHAT" \
-    --max-prompts 20 --max-tokens 64 --ignore-eos --concurrency 4 --output "$W/bench" --no-progress
-dspark eval --checkpoint "$W/run/latest" --decode --prompts demo="$CHAT" --max-prompts 20 --max-new-tokens 64 \
-    --ignore-eos --no-confidence --no-progress --output "$W/predicted"
-.venv/bin/python - "$W" <<'PY'
-import json, sys
-served = json.load(open(f"{sys.argv[1]}/bench/bench.json"))["datasets"][0]
-ours = json.load(open(f"{sys.argv[1]}/predicted/decode.json"))["datasets"][0]["decoded"]
-spec = served["runs"][0]["spec"]
-assert spec and spec["drafts"] > 0, "method dspark served no drafts"
-print(f"method dspark in vLLM: mean acceptance length {spec['mean_acceptance_length']:.2f}, speedup "
-      f"{served['speedup']:.2f}x over the verifier alone; our decode loop: {ours['mean_acceptance_length']:.2f}")
-print("per position, vLLM / ours:", [(round(a["rate"], 3), round(b["rate"], 3))
-                                     for a, b in zip(spec["positions"], ours["positions"])])
-PY
+# serve NAME COMMAND...: start a server in its own process group, then wait for its /health.
+serve() {
+  local name=$1; shift
+  setsid "$@" >"$LOGS/$name.log" 2>&1 &
+  SERVER=$!
+  step "$name-ready" "$READY_TIMEOUT" "${LIB[@]}" wait-ready "$URL" "$SERVER" "$LOGS/$name.log" "$READY_TIMEOUT"
+}
+
+# unserve: stop the server's whole group (vLLM's engine processes too) before the next one starts.
+unserve() {
+  kill -TERM -- "-$SERVER" 2>/dev/null || return 0
+  for _ in $(seq 30); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  SERVER=
+}
+SERVER=
+trap '[ -z "$SERVER" ] || unserve' EXIT
+
+step toy-verifier 300 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
+step prepare 120 "${DS[@]}" prepare --model "$W/tiny" --data "$CHAT" --output "$W/prepared" --seq-length 512 \
+  --minimum-valid-tokens 16
+EXTRACT=(extract --to zarr --model "$W/tiny" --data "$W/prepared" "${LAYERS[@]}" --no-progress)
+step extract-fp32-cpu 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/fp32" --device cpu --dtype float32
+step "extract-bf16-$DEV" 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/bf16" --device "$DEV" --dtype bfloat16
+step compare-bf16 120 "${LIB[@]}" compare "$W/fp32" "$W/bf16" --bound "$BF16_BOUND"
+
+# vLLM in bf16: the side-stream device->host copy into pinned staging, with either model runner.
+for runner in v2 v1; do
+  if [ "$DRY" = 1 ]; then
+    skip "vllm-$runner" "needs vLLM 0.33 on CUDA"
+    continue
+  fi
+  step "extract-vllm-$runner" 600 env VLLM_USE_V2_MODEL_RUNNER=$([ $runner = v2 ] && echo 1 || echo 0) \
+    "${VDS[@]}" "${EXTRACT[@]}" --engine vllm --store "$W/vllm-$runner" --dtype bfloat16
+  step "compare-vllm-$runner" 120 "${LIB[@]}" compare "$W/fp32" "$W/vllm-$runner" --bound "$BF16_BOUND"
+done
+
+LAUNCH=(.venv-vllm/bin/python scripts/launch_vllm.py "$W/tiny" --hidden-states-backend zarr --data "$W/prepared"
+        "${LAYERS[@]}")
+VLLM_FLAGS=(--port "$PORT" --dtype bfloat16 --gpu-memory-utilization "$GPU_MEM")
+if [ "$TP" -ge 2 ]; then  # TP=2 through the launcher: rank 0 alone writes, every request still finishes
+  serve vllm-tp2 "${LAUNCH[@]}" --store "$W/vllm-tp2" -- "${VLLM_FLAGS[@]}" --tensor-parallel-size 2 \
+    && step vllm-tp2-requests 120 "${LIB[@]}" send "$URL" "$W/prepared" 0 1 2 3
+  unserve
+  step vllm-tp2-verify 120 "${DS[@]}" store verify "$W/vllm-tp2" --no-progress
+  step compare-vllm-tp2 120 "${LIB[@]}" compare "$W/fp32" "$W/vllm-tp2" --bound "$BF16_BOUND" --subset
+elif [ "$DRY" = 1 ]; then
+  skip vllm-tp2 "needs 2 GPUs and vLLM 0.33"
+fi
+
+# The abort probe: a small token budget per step stretches the longest prompt's prefill over many steps.
+if [ "$DRY" = 1 ]; then
+  serve abort-server "${DS[@]}" serve --model "$W/tiny" --data "$W/prepared" --to zarr --store "$W/abort" \
+    "${LAYERS[@]}" --port "$PORT"
+else
+  serve abort-server "${LAUNCH[@]}" --store "$W/abort" -- "${VLLM_FLAGS[@]}" --max-num-batched-tokens 32 \
+    --max-num-seqs 4
+fi && step abort-probe 180 "${LIB[@]}" abort-probe "$URL" "$W/prepared" "$W/aborted-id"
+unserve
+step abort-verify 120 "${DS[@]}" store verify "$W/abort" --no-progress
+step abort-absent-or-whole 60 "${LIB[@]}" absent-or-whole "$W/abort" "$W/fp32" "$W/aborted-id" --bound "$BF16_BOUND"
+
+# A drafter in DSpark's layout (the default), served with `method: dspark`; then the verifier alone.
+step train 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" \
+  --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
+  --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
+step export 120 "${DS[@]}" export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
+BENCH=(bench --endpoint "$URL" --prompts demo="$CHAT" --max-prompts "$PROMPTS" --max-tokens "$TOKENS" --ignore-eos
+       --concurrency 4 --no-progress)
+if [ "$DRY" = 1 ]; then
+  skip serve-draft "method dspark runs on Model Runner V2, GPU only"
+else
+  for served in drafted alone; do
+    if [ $served = drafted ]; then what=(--drafter "$W/export"); else what=(--method none); fi
+    serve "serve-$served" "${VDS[@]}" serve-draft --verifier "$W/tiny" "${what[@]}" --port "$PORT" --dtype bfloat16 \
+      -- --gpu-memory-utilization "$GPU_MEM" \
+      && step "bench-$served" 600 "${DS[@]}" "${BENCH[@]}" --output "$W/bench-$served"
+    unserve
+  done
+fi
+step eval-decode 600 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --decode --prompts demo="$CHAT" \
+  --max-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --ignore-eos --no-confidence --no-progress --output "$W/decoded"
+[ "$DRY" = 1 ] || step acceptance 60 "${LIB[@]}" acceptance "$W/bench-drafted" "$W/bench-alone" "$W/decoded"
+finish

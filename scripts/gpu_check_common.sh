@@ -1,0 +1,52 @@
+# Sourced by scripts/gpu_check_device.sh and scripts/gpu_check.sh: their work folder, the step runner
+# and the summary. Before sourcing: DRY (1 for a dry run), BUDGET (seconds), OUT (the results folder).
+W=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")
+LOGS=$W/logs SUMMARY=$OUT/summary.txt FAILURES=$OUT/failures.txt
+mkdir -p "$LOGS" "$OUT"
+: >"$SUMMARY"
+: >"$FAILURES"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+BF16_BOUND=2e-2  # bf16 weights and activations against fp32: ~3e-3 per op, compounded over the layers
+
+# step NAME SECONDS COMMAND...: run COMMAND under a timeout (at most what is left of BUDGET), log it
+# to LOGS/NAME.log, and record the outcome in SUMMARY (and FAILURES with the log's tail).
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc last; shift 2
+  (( limit <= BUDGET - SECONDS )) || limit=$(( BUDGET - SECONDS ))
+  if (( limit < 5 )); then
+    skip "$name" "the ${BUDGET}s budget is spent"
+    return 1
+  fi
+  timeout -k 10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  last=$(grep '[[:alnum:]]' "$LOGS/$name.log" | tail -n 1 | cut -c1-240)
+  (( rc != 124 && rc != 137 )) || last="timed out after ${limit}s"
+  if (( rc == 0 )); then
+    echo "ok   $name ($((SECONDS - t0))s) $last" | tee -a "$SUMMARY"
+  else
+    echo "FAIL $name ($((SECONDS - t0))s, exit $rc) $last" | tee -a "$SUMMARY"
+    { echo "== $name: exit $rc"; tail -n 40 "$LOGS/$name.log"; echo; } >>"$FAILURES"
+  fi
+  return "$rc"
+}
+
+# skip NAME WHY: a step not run. A dry run's skips (CUDA, vLLM 0.33) are expected; others are failures.
+skip() {
+  if [ "$DRY" = 1 ]; then
+    echo "dry  $1: $2" | tee -a "$SUMMARY"
+  else
+    echo "skip $1: $2" | tee -a "$SUMMARY" "$FAILURES"
+  fi
+}
+
+# finish: the logs (and each run's metrics and eval reports) as OUT/logs.tar.gz, a last line, and
+# the exit status: 1 if any step failed or was skipped for want of time.
+finish() {
+  local failed
+  (cd "$W" && find . -path ./logs -prune -o \( -name metrics.jsonl -o -name eval.json -o -name bench.json \) -print \
+    | tar -czf - logs -T -) >"$OUT/logs.tar.gz"
+  failed=$(grep -c '^\(FAIL\|skip\)' "$SUMMARY")
+  echo "$failed failed of $(wc -l <"$SUMMARY") steps in ${SECONDS}s; $OUT: summary.txt, failures.txt, logs.tar.gz"
+  [ "${DSPARK_GPU_CHECK_KEEP:-0}" = 1 ] || rm -rf "$W"
+  [ "$failed" = 0 ]
+}
