@@ -104,3 +104,65 @@ def test_kill_9_mid_vllm_extraction_then_rerun_completes_the_store(tmp_path, ver
     run_cli("extract", "--to", "zarr", "--model", verifier, "--data", prepared, "--store", tmp_path / "ref",
             "--target-layer-ids", *LAYERS, "--dtype", "float32", "--no-progress")
     assert_same_states(tmp_path / "s", tmp_path / "ref", 1e-5)
+
+
+# An in-process engine core, stepped by hand: which prefill chunk a request is in when it is aborted is exact.
+ABORT_MID_PREFILL = r"""
+import json, os, sys
+from dspark.connector.config import SinkConfig
+from dspark.connector.zarr.reader import ZarrStore
+from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
+from dspark.vllm_server import cpu_env
+
+model, store, layers = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+os.environ.update(cpu_env())
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+
+sinks = SinkConfig(store=store, prepared_fingerprint="abort-test")
+llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True,
+          enable_chunked_prefill=True, max_num_batched_tokens=64,
+          speculative_config=speculative_config(aux_layer_ids(layers, num_hidden_layers(model, None))),
+          kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": sinks.to_extra_config()})
+engine = llm.llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+tokens = [10 + i % 400 for i in range(330)]
+
+def submit(name, sample_id):
+    return engine.add_request(name, {"prompt_token_ids": tokens}, SamplingParams(max_tokens=1, extra_args={
+        "kv_transfer_params": {"sample_id": sample_id, "prepared_fingerprint": "abort-test"}}))
+
+def drain():
+    while scheduler.has_requests() or engine.has_unfinished_requests():
+        engine.step()
+
+aborted = submit("aborted", 7)
+while scheduler.requests[aborted].num_computed_tokens + 64 < len(tokens):
+    engine.step()
+computed = scheduler.requests[aborted].num_computed_tokens
+engine.abort_request([aborted], internal=True)
+drain()
+after_abort = ZarrStore(store).sample_ids if os.path.exists(store) else []
+submit("again", 7)
+submit("twin", 8)
+drain()
+engine.engine_core.shutdown()
+print(json.dumps({"computed": computed, "after_abort": after_abort}))
+"""
+
+
+def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_is_stored_whole(tmp_path, verifier):
+    proc = subprocess.run([str(VLLM_PY), "-c", ABORT_MID_PREFILL, str(verifier), str(tmp_path / "s"),
+                           json.dumps(LAYERS)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    # Aborted at 320 of 330 tokens: the last 128-slot CPU block is allocated but 10 of its slots were never
+    # written, so the states cover the whole prompt's length with stale rows at its end.
+    assert result["computed"] == 320
+    assert result["after_abort"] == []
+    assert "are not written: it finished FINISHED_ABORTED after 320 of 330 prompt tokens" in proc.stderr
+    s = ZarrStore(tmp_path / "s")
+    assert s.sample_ids == [7, 8]
+    again, twin = s.read(7, check=True), s.read(8, check=True)
+    assert again.token_ids.tolist() == twin.token_ids.tolist() == [10 + i % 400 for i in range(330)]
+    assert (again.hidden_states - twin.hidden_states).abs().max().item() <= 1e-5

@@ -10,7 +10,10 @@ Scheduler side
                         transfer params) - exactly what `dspark serve` answers - and queues
                         the save. A request's `kv_transfer_params` may carry `sample_id` (key
                         the sample by its prepared-data id) and `prepared_fingerprint` (the
-                        data set it belongs to; the store identity includes it).
+                        data set it belongs to; the store identity includes it). Only a request
+                        that finished normally with its whole prompt computed is saved: one
+                        aborted (a client gone, a timeout), refused or failed is logged and never
+                        written: cut mid chunked prefill, its last block holds stale slots.
     build_connector_meta  hands the queued saves to the workers, and whether this step is
                         idle (nothing scheduled: flush partial Zarr chunks now).
 Worker side
@@ -46,6 +49,9 @@ from dspark.errors import InputError
 from dspark.hub import local_model
 
 log = logging.getLogger("dspark.vllm")
+
+# The statuses of a request that ran to its end. By name: a vLLM version without one of them never matches it.
+FINISHED_NORMALLY = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION"})
 
 
 @dataclass
@@ -113,6 +119,12 @@ class DsparkHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         if request.prompt_token_ids is None:
             return False, {"error": "prompt embeddings have no token ids to store: send token ids"}
         tokens = list(request.prompt_token_ids)
+        status = request.status.name
+        if status not in FINISHED_NORMALLY or request.num_computed_tokens < len(tokens):
+            # Checked before plan(), which opens the data set's manifest: nothing is reserved for it.
+            why = f"it finished {status} after {request.num_computed_tokens} of {len(tokens)} prompt tokens"
+            log.warning("hidden states of request %s are not written: %s", request.request_id, why)
+            return False, {"error": f"hidden states not written: {why}"}
         try:
             planned = self.producer.plan(request.request_id, request.kv_transfer_params, len(tokens))
         except Exception as e:  # one bad request never takes the scheduler down
