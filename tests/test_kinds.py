@@ -231,3 +231,18 @@ def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(ea
     assert "| Block size |" not in card and "--block-size" not in card and "--ttt-steps 3" in card
     proc = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--store", store, check=False)
     assert proc.returncode != 0 and "is an EAGLE-3 drafter" in proc.stderr and "--decode" in proc.stderr
+
+
+@pytest.mark.parametrize("head", [{"markov_head_type": "gated"}, {"markov_head_type": "rnn"},
+                                  {"markov_rank": 0, "confidence_head_with_markov": False}])
+def test_export_refuses_a_markov_head_vllm_cannot_load_in_one_line(head, store, prepared, verifier, tmp_path):
+    """vLLM's DSpark model loads a vanilla head of rank > 0 only: a gated or rnn head would load as a vanilla one,
+    rank 0 as an empty one."""
+    c = train_cfg(store, prepared, verifier, tmp_path / "run", epochs=1, max_steps=1, **head)
+    fit(c)
+    proc = run_cli("export", os.path.join(c.save_path, "latest"), "--output", tmp_path / "export",
+                   "--verifier-name", "Org/Tiny", check=False)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "cannot load: it loads only a vanilla head (markov_w1, markov_w2) of markov_rank > 0" in proc.stderr
+    assert "--markov-head-type vanilla and --markov-rank > 0" in proc.stderr
+    assert not (tmp_path / "export").exists()
