@@ -75,12 +75,12 @@ def config(args):
 
 def preload(cfg, steps: int | None):
     """The first `steps` batches of the run's own plan, collated and on the device, and the run's step count."""
-    from dspark.train.loop import Trainer, to_device
+    from dspark.train.loop import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         tr = Trainer(replace(cfg, save_path=tmp), progress=False)
         plan = [b for epoch in tr.epoch_plan for b in epoch][:steps]  # steps=None: the whole run
-        batches = [to_device(tr.data.collate([tr.data.read(i) for i in b]), tr.device) for b in plan]
+        batches = [tr.place(tr.data.collate([tr.data.read(i) for i in b])) for b in plan]
         tr.source.close()
         return [b for b in batches if b is not None], tr.total_steps, tr.device, tr.prepared
 

@@ -73,3 +73,70 @@ def test_eval_cli_takes_the_anchor_sample(reference_run, store, tmp_path):
     result = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert result["blocks"] == 40 and result["anchors"]["seed"] == 3
     assert "a uniform sample of 40 of" in proc.stdout
+
+
+def bf16_batches(monkeypatch):
+    """Batches whose float tensors arrive in bf16, as a bf16 store gives them and as CUDA training placed them."""
+    from dspark.train.data import TrainData
+
+    collate = TrainData.collate
+
+    def bf16(self, samples):
+        batch = collate(self, samples)
+        return batch and {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
+
+    monkeypatch.setattr(TrainData, "collate", bf16)
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
+def test_eval_takes_bf16_inputs_into_fp32_or_bf16_weights(weights, reference_run, store, tmp_path, monkeypatch):
+    """Inputs follow the weights' dtype outside autocast: CUDA's bf16 batches into an fp32 checkpoint crashed the
+    teacher-forced pass (`expected m1 and m2 to have the same dtype`), as fp32 batches into bf16 weights do here."""
+    import dspark.eval.teacher_forced as tf
+
+    c, _ = reference_run
+    ckpt, n = os.path.join(c.save_path, "latest"), 64
+    fp32, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "fp32"), "all", "cpu", max_anchors=n)
+    load = tf.load_checkpoint
+    monkeypatch.setattr(tf, "load_checkpoint", lambda *a: load(*a).to(weights))
+    bf16_batches(monkeypatch)
+    ours, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "bf16"), "all", "cpu", max_anchors=n)
+    assert ours["blocks"] == fp32["blocks"] == n
+    # the same blocks, scored at bf16 precision: a few drafts may flip
+    assert ours["tau_analytic"] == pytest.approx(fp32["tau_analytic"], rel=0.05)
+
+
+def test_eval_compiles_a_handful_of_forward_shapes_not_one_per_batch(reference_run, store, tmp_path, monkeypatch):
+    """Each batch scored its own anchor count: a new shape per batch for a compiled forward (CUDA) to guard on.
+    Counts are rounded up to powers of two; the forward is compiled here as on CUDA (a plain backend) and its
+    graphs counted."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import dspark.eval.teacher_forced as tf
+
+    c, _ = reference_run
+    load, shapes = tf.load_checkpoint, []
+
+    def compiled(*a):
+        model = load(*a)
+        backbone = torch.compile(model._backbone_forward, backend="eager")
+
+        def forward(*args, max_anchors, **kw):
+            shapes.append(max_anchors)
+            return backbone(*args, max_anchors=max_anchors, **kw)
+
+        model._backbone_forward = forward
+        return model
+
+    monkeypatch.setattr(tf, "load_checkpoint", compiled)
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # count them all, never fall back to eager
+    result, _ = run_eval(os.path.join(c.save_path, "latest"), str(store), None, None, str(tmp_path / "ev"), "all",
+                         "cpu", max_anchors=300)
+    assert result["blocks"] == 300
+    batches = len(shapes) // 3  # the real states and two controls, scored alike
+    assert batches >= 6 and len(set(shapes)) <= 3
+    compiles = counters["stats"]["unique_graphs"]
+    assert 0 < compiles <= 4 * len(set(shapes)) < batches * 2, (compiles, shapes)

@@ -103,6 +103,32 @@ def test_bf16_autocast_trains_on_cpu_with_fp32_weights(reference_run, tmp_path):
     assert {w.dtype for w in weights.values() if w.is_floating_point()} == {torch.float32}
 
 
+@pytest.mark.parametrize("autocast, inputs", [("bf16", torch.bfloat16), ("off", torch.float32)])
+def test_inputs_take_bf16_under_autocast_and_the_weights_dtype_without(autocast, inputs, reference_run, tmp_path,
+                                                                      monkeypatch):
+    """One dtype policy, as CUDA runs it: bf16 batches (a bf16 store) train and validate, with autocast in bf16 and
+    without it in the weights' fp32 (`--autocast off` on CUDA fed bf16 into fp32 weights and crashed)."""
+    from dspark.train.data import TrainData
+
+    collate, seen = TrainData.collate, set()
+
+    def bf16(self, samples):
+        batch = collate(self, samples)
+        return batch and {k: v.bfloat16() if v.is_floating_point() else v for k, v in batch.items()}
+
+    monkeypatch.setattr(TrainData, "collate", bf16)
+    c, _ = reference_run
+    tr = Trainer(replace(c, save_path=str(tmp_path / "r"), autocast=autocast, max_steps=2, val_state_gain=True),
+                 progress=False)
+    tr.model.register_forward_pre_hook(lambda _, args, kw: seen.add(kw["hidden_states"].dtype), with_kwargs=True)
+    tr.fit()
+    assert seen == {inputs}
+    records = MetricLog(tmp_path / "r" / "metrics.jsonl").read()
+    assert all(torch.isfinite(torch.tensor(r["metrics"]["loss"])) for r in records)
+    val = tr.validate()  # scores blocks with the controls too (`score_with_controls`)
+    assert torch.isfinite(torch.tensor(val["loss"])) and "state_gain_tau" in val
+
+
 def test_export_reloads_identically_without_local_paths(reference_run, tmp_path):
     from speculators.models.dspark import DSparkDraftModel
 
@@ -161,6 +187,45 @@ def test_eval_writes_json_markdown_and_plot(reference_run, store, tmp_path):
     assert "| pos |" in proc.stdout
     missing = run_cli("eval", "--checkpoint", tmp_path / "nope", "--store", store, check=False)
     assert missing.returncode == 2 and "is not a checkpoint" in missing.stderr
+
+
+def test_a_cuda_launch_sets_its_gpu_then_names_it_to_nccl(monkeypatch):
+    """As speculators' trainer starts NCCL: the rank's GPU set first, then bound to the communicator (`device_id`);
+    without it every rank's first collective may guess GPU 0."""
+    import torch.distributed as dist
+
+    from dspark.train.loop import setup_distributed
+
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    d = setup_distributed("cuda")
+    assert calls == [("set_device", 1), ("nccl", {"device_id": torch.device("cuda", 1)})]
+    assert (d.rank, d.world, d.local_rank) == (1, 2, 1)
+
+
+@pytest.mark.parametrize("kind", [{"speculator_type": "dspark"},
+                                  {"speculator_type": "dspark", "markov_head_type": "rnn"},
+                                  {"speculator_type": "dflash"}, {"speculator_type": "eagle3"}])
+def test_every_kinds_step_gives_each_trainable_weight_a_gradient(kind, reference_run, tmp_path):
+    """What DDP without find_unused_parameters (its per-step graph search) relies on: a weight left out of a step
+    would hang the gradient all-reduce."""
+    from dspark.train.model import model_inputs
+
+    c, _ = reference_run
+    tr = Trainer(replace(c, save_path=str(tmp_path / "r"), **kind), progress=False)
+    try:
+        batch = tr.data.collate([tr.data.read(i) for i in tr.epoch_plan[0][0]])
+        _, loss, _ = tr.model(**tr.place(model_inputs(tr.cfg, batch)), **tr.loss_kw)
+        loss.backward()
+        trainable = [n for n, p in tr.model.named_parameters() if p.requires_grad]
+        assert trainable and [n for n, p in tr.model.named_parameters() if p.requires_grad and p.grad is None] == []
+    finally:
+        tr.unlock()
 
 
 @pytest.mark.slow

@@ -101,7 +101,7 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
 
     from dspark.train.blocks import Blocks, score_with_controls, sums, with_donors
     from dspark.train.data import Loader
-    from dspark.train.loop import to_device
+    from dspark.train.loop import input_dtype, to_device
     from dspark.train.metrics import accumulate, reduce
 
     B = model.block_size
@@ -123,7 +123,8 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
 
     acc: dict[str, float] = {}  # each variant's match per position and tau, as training's validation sums them
     real, ctx = [], []
-    place = lambda b: to_device(b, device)  # noqa: E731
+    dtype = input_dtype(model, autocast=False)  # the checkpoint's weights, as they are
+    place = lambda b: to_device(b, device, dtype)  # noqa: E731
     for n, batch, donors in with_donors(read()):
         i, k = planned[n]
         # select_anchors draws with torch's global generator: seeded per batch, so every variant scores the same blocks

@@ -15,7 +15,6 @@ failures users report most) shows none, however good its loss looks.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,37 +89,29 @@ class Blocks:
                       None if self.confidence is None else self.confidence[:, 1:], self.drafts[:, 1:], self.anchors)
 
 
-@contextmanager
-def _seen_anchors():
-    """The (anchors, valid) speculators' select_anchors draws inside the forward."""
-    import speculators.models.dflash.core as dflash_core
-
-    seen: dict = {}
-    select = dflash_core.select_anchors
-
-    def spy(*a, **kw):
-        seen["anchors"] = select(*a, **kw)
-        return seen["anchors"]
-
-    dflash_core.select_anchors = spy
-    try:
-        yield seen
-    finally:
-        dflash_core.select_anchors = select
+def anchor_bucket(anchors: int) -> int:
+    """The anchor count a forward is run with: the next power of two, so that a compiled forward (CUDA) sees a
+    handful of shapes over an eval whose batches each score a different count, not one recompile per batch."""
+    return 1 << max(anchors - 1, 0).bit_length()
 
 
 def score(model, inputs: dict[str, torch.Tensor], anchors: int, seed: int) -> Blocks:
     """Score `anchors` blocks of a packed batch (on the model's device), drawn with `seed`: the same seed draws
     the same anchors whatever the states, so controls score the blocks the real states did."""
+    from speculators.models.dflash.utils import select_anchors
+
     device = inputs["input_ids"].device
-    B = model.block_size
+    B, n = model.block_size, anchor_bucket(anchors)
     rng = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-    with torch.no_grad(), _seen_anchors() as seen, rng:
+    with torch.no_grad(), rng:
+        # the forward's first draw from the generator is its select_anchors: made here too, under the same seed,
+        # it names the anchors the forward takes
+        torch.manual_seed(seed)
+        positions, valid = select_anchors(inputs["loss_mask"], n, B)
         torch.manual_seed(seed)
         hidden, logits, targets, mask, idx = model._backbone_forward(
             **{k: inputs[k] for k in ("hidden_states", "input_ids", "loss_mask", "verifier_last_hidden_states",
-                                      "document_ids", "position_ids")}, max_anchors=anchors)
-        positions, valid = seen["anchors"]
+                                      "document_ids", "position_ids")}, max_anchors=n)
         logits, prev = chained_logits(model, hidden, logits, inputs["input_ids"][0, idx].view(-1, B))
         targets = targets[0].float().view(-1, B, targets.shape[-1])
         tv = 0.5 * (logits.softmax(-1) - targets.softmax(-1)).abs().sum(-1)
@@ -132,7 +123,9 @@ def score(model, inputs: dict[str, torch.Tensor], anchors: int, seed: int) -> Bl
             if model.config.confidence_head_with_markov:
                 feats = torch.cat([h, model.markov_head.prev_embeddings(prev).to(h.dtype)], dim=-1)
             confidence = model.confidence_head(feats).float().sigmoid()
-    keep = valid.cpu().numpy()
+    keep = np.flatnonzero(valid.cpu().numpy())
+    if len(keep) > anchors:  # a uniform subset of the bucket's uniform draw: a uniform draw of `anchors`
+        keep = np.sort(np.random.default_rng(seed).choice(keep, anchors, replace=False))
     rows = lambda t: t.cpu().numpy()[keep]  # noqa: E731
     blocks = Blocks(rows(drafts == targets.argmax(-1)), rows(1 - tv), rows(mask[0].view(-1, B)).astype(bool),
                     None if confidence is None else rows(confidence), rows(to_verifier(model, drafts)),

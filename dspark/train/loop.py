@@ -54,12 +54,20 @@ class Dist:
 
 
 def setup_distributed(device_kind: str) -> Dist:
+    """The process group of a torchrun launch, as speculators' trainer starts it: on CUDA this rank's GPU is set
+    first and named to NCCL (`device_id`), which binds its communicator to that GPU at once instead of guessing
+    one at the first collective (where every rank may pick GPU 0)."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return Dist()
     import torch.distributed as dist
 
-    dist.init_process_group("nccl" if device_kind == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_kind == "cuda":
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    else:
+        dist.init_process_group("gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
 def pick_device(name: str, local_rank: int) -> torch.device:
@@ -106,8 +114,15 @@ def versions() -> dict:
     return {**{p: version(p) for p in pkgs}, "python": platform.python_version()}
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+def input_dtype(model: torch.nn.Module, autocast: bool) -> torch.dtype:
+    """The dtype of a model's float inputs, decided here alone: bf16 under autocast (half the copy, and autocast's
+    ops take it), else the weights' own. A bf16 batch into fp32 weights without autocast fails at the first matmul
+    (eval's teacher-forced pass, `train --autocast off` on CUDA)."""
+    return torch.bfloat16 if autocast else next(model.parameters()).dtype
+
+
+def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
+    """The batch on `device`, its float tensors in `dtype` (`input_dtype`'s)."""
     return {k: v.to(device, dtype=dtype if v.is_floating_point() else v.dtype, non_blocking=True)
             for k, v in batch.items()}
 
@@ -166,10 +181,9 @@ class Trainer:
             self.tracking = Tracking.for_training(self.run.root, cfg.tracking, flatten(cfg.to_dict()), self._tags(),
                                                   self.log.read())
         self.wrapped = self.model
-        if self.dist.world > 1:
+        if self.dist.world > 1:  # every kind's step gives each trainable weight a gradient: nothing to search for
             self.wrapped = torch.nn.parallel.DistributedDataParallel(
-                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                find_unused_parameters=True)
+                self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     def unlock(self) -> None:
         """Let go of the run folder (fit() does, however it ends), after the trackers had their last records."""
@@ -238,14 +252,21 @@ class Trainer:
                   f"step {self.state['step']})", file=sys.stderr)
 
     # --- one step, validation, checkpoint ------------------------------------
+    @property
+    def autocast(self) -> bool:
+        return self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
+
     def _autocast(self):
-        on = self.cfg.autocast == "bf16" or (self.cfg.autocast == "auto" and self.device.type == "cuda")
-        return torch.autocast(self.device.type, dtype=torch.bfloat16) if on else nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else nullcontext()
+
+    def place(self, batch: dict) -> dict:
+        """A batch onto the device, in the dtype its inputs take (`input_dtype`)."""
+        return to_device(batch, self.device, input_dtype(self.model, self.autocast))
 
     def step(self, batch: dict) -> dict:
         self.wrapped.train()
         with self._autocast():
-            _, loss, metrics = self.wrapped(**to_device(model_inputs(self.cfg, batch), self.device), **self.loss_kw)
+            _, loss, metrics = self.wrapped(**self.place(model_inputs(self.cfg, batch)), **self.loss_kw)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)
         # Checked before the optimizer moves a weight: one NaN or infinite step makes every weight, and every
@@ -287,14 +308,14 @@ class Trainer:
                 for batch in Loader(self.data, self._my_batches(self.data.val_batches()) or self.data.val_batches()[:1],
                                     self.cfg.num_workers, self.cfg.prefetch_factor, where=where):
                     with self._autocast():
-                        _, _, metrics = self.model(**to_device(model_inputs(self.cfg, batch), self.device),
+                        _, _, metrics = self.model(**self.place(model_inputs(self.cfg, batch)),
                                                    **self.loss_kw)
                     accumulate(acc, metrics)
                     yield batch if gain else None
 
             for n, batch, donors in with_donors(losses()):
                 with self._autocast():  # its own seed per batch: score() leaves the generator as it was
-                    scored = score_with_controls(self.model, batch, donors, lambda b: to_device(b, self.device),
+                    scored = score_with_controls(self.model, batch, donors, self.place,
                                                  self.cfg.max_anchors, self.cfg.seed * 1_000_003 + n)
                 accumulate(acc, sums(scored))
         self.timing["validate_s"].append(time.perf_counter() - start)
