@@ -20,7 +20,6 @@ a summary (counts by reason) is printed and written to `TRAIN.summary.json`.
 
 from __future__ import annotations
 
-import gzip
 import json
 import random
 import re
@@ -77,24 +76,57 @@ def _record_texts(record) -> list[str]:
 
 
 def eval_texts(path: Path) -> list[str]:
-    """The user-side texts of a prompt file (JSONL or a JSON array, gzip or not)."""
+    """The user-side texts of a prompt file (JSONL or a JSON array, gzip or not), read as `prepare` reads data."""
+    from dspark.prepare import ChatData, read_records
+
     if not path.is_file():
         raise InputError(f"--exclude file {path} does not exist", "pass the prompt files you will report on")
-    raw = path.read_bytes()
-    if raw[:2] == b"\x1f\x8b":
-        raw = gzip.decompress(raw)
-    text = raw.decode("utf-8-sig", errors="replace")
-    try:
-        records = json.loads(text) if text.lstrip().startswith("[") else \
-            [json.loads(line) for line in text.splitlines() if line.strip()]
-    except json.JSONDecodeError as e:
-        raise InputError(f"--exclude file {path} is not JSON lines or a JSON array ({e.msg}, line {e.lineno})",
-                         "pass a prompt file in a format `dspark eval --decode --prompts` reads") from None
-    texts = [prompt_key(t) for r in records for t in _record_texts(r) if t.strip()]
+    fix = "pass a prompt file in a format `dspark eval --decode --prompts` reads"
+
+    def invalid(where: str, detail: str, _fix: str) -> None:
+        raise InputError(f"--exclude file {path} is not JSON lines or a JSON array ({where}: {detail})", fix)
+
+    data = ChatData([], [])
+    texts = [prompt_key(t) for _, r in read_records(path, data, invalid) for t in _record_texts(r) if t.strip()]
+    if data.cut_warning:  # an eval set read in part would leak the rest into training
+        raise InputError(f"--exclude file {data.cut_warning}", "download it again")
     if not texts:
         raise InputError(f"--exclude file {path} holds no user text",
                          "pass chat JSONL, HumanEval, MT-bench or LongBench prompt files")
     return texts
+
+
+class ExcludeIndex:
+    """`--exclude`'s rule, in time linear in a conversation's length whatever the number of eval texts.
+
+    A conversation overlaps the eval set when one of its user texts equals a short eval text, or a
+    long one (>= `MIN_OVERLAP_CHARS`) occurs in its user texts (joined by NUL, so never across two
+    turns). Long texts are found through `_GRAM`-character pieces: a text occurring at position i
+    covers the sampled position p, the first multiple of `_STRIDE` from i (p - i < `_STRIDE`, and
+    the piece at p ends inside the text, since `_STRIDE - 1 + _GRAM <= MIN_OVERLAP_CHARS`), so
+    indexing each text by its pieces at offsets 0.._STRIDE-1 finds every occurrence, which is then
+    checked in full.
+    """
+
+    _GRAM = _STRIDE = MIN_OVERLAP_CHARS // 2
+
+    def __init__(self, texts: list[str]):
+        self.short = {t for t in texts if len(t) < MIN_OVERLAP_CHARS}
+        self.pieces: dict[str, list[tuple[str, int]]] = {}
+        for t in {t for t in texts if len(t) >= MIN_OVERLAP_CHARS}:
+            for o in range(self._STRIDE):
+                self.pieces.setdefault(t[o:o + self._GRAM], []).append((t, o))
+
+    def overlaps(self, users: list[str]) -> bool:
+        """Whether user texts `users` (each a `prompt_key`) hold an eval text."""
+        if any(u in self.short for u in users):
+            return True
+        joined = "\0".join(users)
+        for p in range(0, len(joined) - self._GRAM + 1, self._STRIDE):
+            for t, o in self.pieces.get(joined[p:p + self._GRAM], ()):
+                if p >= o and joined.startswith(t, p - o):
+                    return True
+        return False
 
 
 def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int = 0,
@@ -123,20 +155,12 @@ def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: in
     random.Random(seed).shuffle(order)
     held = sorted(order[:heldout])  # file order within each side: reruns and diffs stay readable
     held_set = set(held)
-    long_texts, short_texts = [], set()
-    for path in exclude:
-        for t in eval_texts(Path(path)):
-            if len(t) >= MIN_OVERLAP_CHARS:
-                long_texts.append(t)
-            else:
-                short_texts.add(t)
+    excluded = ExcludeIndex([t for path in exclude for t in eval_texts(Path(path))])
     train = []
     for i, (key, messages) in enumerate(unique):
         if i in held_set:
             continue
-        users = [prompt_key(t) for t in _user_texts(messages)]
-        joined = "\0".join(users)  # one substring search per eval text, never across two turns
-        if any(u in short_texts for u in users) or any(t in joined for t in long_texts):
+        if excluded.overlaps([prompt_key(t) for t in _user_texts(messages)]):
             dropped["overlaps_eval_set"] += 1
             continue
         train.append(messages)

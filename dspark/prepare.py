@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dspark import jsonio
 from dspark.errors import InputError
-from dspark.files import file_xxh3
+from dspark.files import MAX_LINE_BYTES, DataReader, FileRefused, file_xxh3
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
 from dspark.settings import setting
 
@@ -56,6 +57,11 @@ PREPARED_FILES = ("prepare.json", *RECORDED_FILES)
 ARRAYS = {"input_ids.npy": np.int32, "loss_mask.npy": np.uint8, "offsets.npy": np.int64}
 # A template that times out on each of the first conversations times out on every one: stop, not drop them all.
 TIMEOUTS_BEFORE_GIVING_UP = 3
+# Characters of one conversation's turns, checked before it is rendered or tokenized: the Rust tokenizer cannot be
+# interrupted (no timeout reaches it) and takes ~0.5 GB and seconds per million characters (50 MB aborted it).
+# A million characters is ~250k tokens, beyond any context a drafter trains or decodes in.
+MAX_CONVERSATION_CHARS = 1_000_000
+OVER_MAX_CHARS = "over_max_chars"  # the drop reason
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,10 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
                          "pass --model a local folder holding config.json and the tokenizer files")
     from transformers import AutoTokenizer
 
+    from dspark.verifier_check import check_verifier_config
+
+    if (path / "config.json").is_file():  # transformers builds the model's config too, and fails in a traceback
+        check_verifier_config(path, host_memory=False)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
@@ -159,18 +169,65 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 @contextmanager
 def open_data(path: Path):
-    """`path` opened for reading bytes; gzip (found by its magic bytes, not its name) is decompressed.
+    """`path` as a `dspark.files.DataReader`: gzip (found by its magic bytes, not its name) is decompressed,
+    a line is at most `MAX_LINE_BYTES` and a gzip stream inflates at most `GZIP_MAX_RATIO` times.
 
-    A gzip stream that is damaged or cut off is an `InputError` wherever the reading stops.
+    A gzip stream that is damaged or cut off, or a read past a bound, is an `InputError` wherever the reading stops.
     """
-    with open(path, "rb") as f:
-        zipped = f.read(2) == b"\x1f\x8b"
-    with (gzip.open(path, "rb") if zipped else open(path, "rb")) as f:
+    try:
+        reader = DataReader(path)
+    except (FileRefused, OSError) as e:
+        raise InputError(f"{path} {e if isinstance(e, FileRefused) else f'cannot be read ({e.strerror})'}",
+                         "pass a readable regular file") from None
+    with reader as f:
         try:
             yield f
         except (EOFError, gzip.BadGzipFile, zlib.error) as e:
             raise InputError(f"{path}: its gzip stream is damaged or cut off ({e})",
                              f"download it again, or keep what is readable: gunzip -c {path} > {path}.txt") from None
+        except FileRefused as e:
+            raise InputError(f"{path} {e}", e.fix) from None
+
+
+# Byte-order marks of text that is not UTF-8, UTF-32's first: its little-endian mark starts with UTF-16's.
+_OTHER_ENCODINGS = (("UTF-32", (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)),
+                    ("UTF-16", (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)))
+
+
+def read_records(path: Path, data: ChatData, invalid):
+    """(where, record) for each JSON record of a data file: JSONL or one JSON array, gzipped or not.
+
+    A line that is not UTF-8 or not JSON is passed to `invalid(where, detail, fix)` and skipped
+    (it may raise); a cut-off JSON array sets `data.cut_bytes` and `data.cut_warning`.
+    """
+    with open_data(path) as f:
+        head = f.read(4096)
+        for encoding, boms in _OTHER_ENCODINGS:
+            if head.startswith(boms):
+                raise InputError(f"{path} is {encoding} text, not UTF-8",
+                                 f"convert it: iconv -f {encoding} -t UTF-8 {path} > {path.stem}.utf8{path.suffix}")
+        f.rewind()
+        if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
+            yield from _json_array(path, f, data)
+            return
+        for lineno, raw in enumerate(f, 1):
+            if lineno == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
+            if not raw.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                invalid(where, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
+                        "re-encode the file as UTF-8 or delete that line")
+                continue
+            try:
+                record = jsonio.loads(line)
+            except json.JSONDecodeError as e:
+                invalid(where, f"malformed JSON ({e.msg} at column {e.colno})", "fix or delete that line")
+                continue
+            yield where, record
 
 
 def read_conversations(path: Path, role_map: str | dict | None = None, strict: bool = False,
@@ -197,49 +254,22 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
             raise InputError(f"{where}: {detail}", f"{fix}, {SKIP_FIX}")
         data.invalid_lines += 1
 
-    def accept(record, where: str) -> None:
+    for where, record in read_records(path, data, invalid):
         try:
             messages = _normalize(record, roles, data, require_assistant)
         except _Invalid as e:
-            return invalid(where, e.detail, e.fix)
+            invalid(where, e.detail, e.fix)
+            continue
         except _Drop as e:
             data.records += 1
-            return record_drop(data.dropped, data.first_drop, e.reason, f"{where}: {e.detail}", strict)
+            record_drop(data.dropped, data.first_drop, e.reason, f"{where}: {e.detail}", strict)
+            continue
         data.records += 1
         data.conversations.append(messages)
         data.where.append(where)
-
-    with open_data(path) as f:
-        head = f.read(4096)
-        if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
-            raise InputError(f"{path} is UTF-16 text, not UTF-8",
-                             f"convert it: iconv -f UTF-16 -t UTF-8 {path} > chat.utf8.jsonl")
-        f.seek(0)
-        if head.lstrip(codecs.BOM_UTF8 + b" \t\r\n").startswith(b"["):
-            for where, record in _json_array(path, f, data):
-                accept(record, where)
-            if data.cut_warning and strict:
-                raise InputError(data.cut_warning, "download the file again, or run without --strict "
-                                                   "to keep its complete records")
-        else:
-            for lineno, raw in enumerate(f, 1):
-                if lineno == 1:
-                    raw = raw.removeprefix(codecs.BOM_UTF8)
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    invalid(where, f"not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)",
-                            "re-encode the file as UTF-8 or delete that line")
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    invalid(where, f"malformed JSON ({e.msg} at column {e.colno})", "fix or delete that line")
-                    continue
-                accept(record, where)
+    if data.cut_warning and strict:
+        raise InputError(data.cut_warning, "download the file again, or run without --strict "
+                                           "to keep its complete records")
     if not data.records:
         skipped = f" ({data.invalid_lines} invalid lines skipped)" if data.invalid_lines else ""
         cut = f"; {data.cut_warning}" if data.cut_warning else ""
@@ -254,6 +284,7 @@ def read_conversations(path: Path, role_map: str | dict | None = None, strict: b
 _PARTIAL_TOKEN = re.compile(r"(t(r(ue?)?)?|f(a(l(se?)?)?)?|n(u(ll?)?)?|-|\.|[eE][-+]?"
                             r"|u[0-9a-fA-F]{0,4}(\\(u[0-9a-fA-F]{0,3})?)?)?")
 _ARRAY_CHUNK = 1 << 24  # characters read at a time: memory holds a chunk plus the record being parsed
+_SPACE_RUN = re.compile(r"[ \t\r\n]*")
 
 
 def _ends_mid_value(text: str, e: json.JSONDecodeError) -> bool:
@@ -271,7 +302,8 @@ def _json_array(path: Path, f, data: ChatData):
     """
     fix = "fix the file (a JSON array cannot skip lines), or convert it to JSONL"
     decoder, utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()
-    buf, pos, end, eof = "", 0, 0, False  # end: where the last complete record ends in buf
+    buf, pos, end, eof = "", 0, 0, False  # end: where the last complete record (or the space after it) ends in buf
+    skipped = 0  # characters of space and separators after the last record, dropped from buf (ASCII: bytes too)
     line, col = 1, 0  # the line buf[0] is on, and the characters before it on that line
     partial = b""  # the bytes of a UTF-8 character the input ends inside
 
@@ -296,16 +328,25 @@ def _json_array(path: Path, f, data: ChatData):
         return True
 
     def skip_space() -> str:
-        """The next non-space character, not consumed ('' at the end of the input)."""
-        nonlocal pos
+        """The next non-space character, not consumed ('' at the end of the input).
+
+        Space read to the end of `buf` is dropped before the next chunk comes (only space and
+        separators lie between `end` and `pos` then), so a gap of GBs is never held.
+        """
+        nonlocal pos, end, skipped
         while True:
-            while pos < len(buf) and buf[pos] in " \t\r\n":
-                pos += 1
-            if pos < len(buf) or not more():
-                return buf[pos:pos + 1]
+            pos = _SPACE_RUN.match(buf, pos).end()
+            if pos < len(buf):
+                return buf[pos]
+            skipped, end = skipped + pos - end, pos
+            if not more():
+                return ""
+
+    def line_at(at: int) -> int:
+        return line + buf.count("\n", 0, at)
 
     def malformed(msg: str, at: int, where: str) -> InputError:
-        lineno = line + buf.count("\n", 0, at)
+        lineno = line_at(at)
         column = at - buf.rfind("\n", 0, at) if lineno > line else col + at + 1
         return InputError(f"{path}:{lineno}: malformed JSON {where} ({msg} at column {column})", fix)
 
@@ -317,16 +358,20 @@ def _json_array(path: Path, f, data: ChatData):
     pos += closed
     while not closed and skip_space():
         try:
-            record, stop = decoder.raw_decode(buf, pos)
+            record, stop = jsonio.raw_decode(decoder, buf, pos)
         except json.JSONDecodeError as e:
             if not _ends_mid_value(buf, e):
                 raise malformed(e.msg, e.pos, f"in record {n + 1}") from None
+            stop = None
+        if stop is None or stop == len(buf):  # cut short, or a bare number that may go on: read more, decode again
+            if len(buf) - pos > MAX_LINE_BYTES:
+                raise InputError(f"{path}:{line_at(pos)}: record {n + 1} is over {MAX_LINE_BYTES} bytes "
+                                 "(dspark.files.MAX_LINE_BYTES)", "split or delete that record")
             if more():
                 continue
-            break  # the input ends inside a record
-        if stop == len(buf) and more():
-            continue  # a bare number may go on in the next chunk: decode it again
-        n, pos, end = n + 1, stop, stop
+            if stop is None:
+                break  # the input ends inside a record
+        n, pos, end, skipped = n + 1, stop, stop, 0
         yield f"{path} record {n}", record
         sep = skip_space()
         if sep and sep not in ",]":
@@ -334,7 +379,7 @@ def _json_array(path: Path, f, data: ChatData):
         pos += bool(sep)
         closed = sep == "]"
     if not closed:
-        data.cut_bytes = len(buf[end:].encode("utf-8")) + len(partial)
+        data.cut_bytes = skipped + len(buf[end:].encode("utf-8")) + len(partial)
         data.cut_warning = (f"{path} ends inside its JSON array: {data.cut_bytes} bytes after record {n}, the last "
                             "complete one, were not read (a truncated download?)")
     elif skip_space():
@@ -357,6 +402,8 @@ def _drop_fix(reason: str, strict: bool = False) -> str:
         return "lower --minimum-valid-tokens or raise --seq-length"
     if reason == "chat_template_error":
         return "fix that conversation, or use a model whose chat template accepts it"
+    if reason == OVER_MAX_CHARS:
+        return "split that conversation into shorter ones"
     if reason == "template_timeout":
         return "fix the chat template (a loop that does not end?), or use a model whose template renders in time"
     return "fix or delete that line" if strict else "pass conversations with a user and an assistant turn"
@@ -389,6 +436,8 @@ def _normalize(record, roles: dict, data: ChatData, require_assistant: bool = Tr
             data.mapped_roles[f"{key}->{role}"] += 1
         messages.append({"role": role, "content": _text(turn["content"] if "content" in turn else turn.get("value"),
                                                         data.repaired)})
+    if why := too_many_chars(m["content"] for m in messages):
+        raise _Drop(OVER_MAX_CHARS, why)
     present = {m["role"] for m in messages}
     if not any(m["content"].strip() for m in messages):
         raise _Drop("empty", "empty conversation (every turn is blank)")
@@ -397,6 +446,15 @@ def _normalize(record, roles: dict, data: ChatData, require_assistant: bool = Tr
     if "assistant" not in present and require_assistant:
         raise _Drop("no_assistant_turn", "the conversation has no assistant turn")
     return messages
+
+
+def too_many_chars(texts) -> str | None:
+    """Why `texts` (a conversation's or a prompt's) are too long to render and tokenize, or None."""
+    chars = sum(map(len, texts))
+    if chars > MAX_CONVERSATION_CHARS:
+        return (f"{chars} characters, over the {MAX_CONVERSATION_CHARS} a conversation may hold "
+                "(dspark.prepare.MAX_CONVERSATION_CHARS)")
+    return None
 
 
 def _text(content, repaired: Counter) -> str:

@@ -48,6 +48,10 @@ def check_verifier_config(model: str | Path | VerifierInfo, dtype: str | None = 
                          "(and no head_dim is given)", _FIX)
     if heads and kv and heads % kv:
         raise InputError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}", _FIX)
+    layers, types = config.get("num_hidden_layers"), config.get("layer_types")
+    if layers and types is not None and (not isinstance(types, list) or len(types) != layers):
+        have = f"{len(types)} entries" if isinstance(types, list) else f"the {type(types).__name__} {json.dumps(types)}"
+        raise InputError(f"{path}: layer_types holds {have}, not one per layer (num_hidden_layers {layers})", _FIX)
     _check_weights(folder, path, config)
     if host_memory:
         _check_memory(path, config, info.dtype if dtype in (None, "auto") else dtype)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -105,9 +106,102 @@ def supported_architectures() -> list[str]:
     return sorted(names - {"general", "tokenizer"})  # metadata sections, not architectures
 
 
+# GGUF metadata value types (gguf.GGUFValueType) -> bytes of one value; STRING (8) and ARRAY (9) are walked.
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+GGUF_MAX_ARRAY_NESTING = 4  # arrays of arrays: real files nest none; each level is a recursion
+GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
+GGUF_MAX_KEY_BYTES = 1 << 16  # a key is a dotted name: tens of bytes
+GGUF_MAX_STRINGS = 4 << 20  # entries of one string array: a vocabulary or merge list is < 1M; each is walked
+_TENSOR_INFO_MIN_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+
+
+def check_gguf_metadata(path: Path) -> None:
+    """Walk the GGUF's header, metadata and tensor infos without building them, refusing any count or
+    length that the rest of the file cannot hold.
+
+    The parsers (gguf's GGUFReader, transformers) trust those counts: an array claiming 2**40 entries
+    ran for minutes at GBs. Here each claim is checked against the bytes left before it is followed,
+    so walking costs at most the metadata's own size; strings of a string array are skipped, not read.
+    """
+    import struct
+
+    from dspark.files import FileRefused, open_regular
+
+    def refuse(what: str) -> InputError:
+        return InputError(f"{path}: damaged GGUF: {what}", "download the file again (it is cut off or not a real GGUF)")
+
+    try:
+        raw = open_regular(path)
+    except (FileRefused, OSError) as e:
+        raise refuse(str(e)) from None
+    with raw, io.BufferedReader(raw, 1 << 16) as f:
+        size = os.fstat(raw.fileno()).st_size
+        f.seek(4)  # the magic, checked by resolve_source
+        order = "<" if struct.unpack("<I", f.read(4).ljust(4, b"\0"))[0] & 0xFFFF else ">"  # as GGUFReader tells
+
+        def take(fmt: str, what: str):
+            n = struct.calcsize(fmt)
+            data = f.read(n)
+            if len(data) < n:
+                raise refuse(f"the file ends inside {what}")
+            return struct.unpack(order + fmt, data)[0]
+
+        def room(count: int, each: int, what: str) -> None:
+            left = size - f.tell()
+            if count * each > left:
+                raise refuse(f"{what} claims {count} entries of at least {each} bytes, more than the {left} bytes "
+                             "left in the file")
+
+        def string(what: str) -> None:
+            n = take("Q", what)
+            room(n, 1, what)
+            f.seek(n, 1)
+
+        def value(kind: int, what: str, depth: int = 0) -> None:
+            if kind in _GGUF_SIZES:
+                room(1, _GGUF_SIZES[kind], what)
+                f.seek(_GGUF_SIZES[kind], 1)
+            elif kind == _GGUF_STRING:
+                string(what)
+            elif kind == _GGUF_ARRAY and depth < GGUF_MAX_ARRAY_NESTING:
+                item, count = take("I", what), take("Q", what)
+                if item in _GGUF_SIZES:
+                    room(count, _GGUF_SIZES[item], f"array {what}")
+                    f.seek(count * _GGUF_SIZES[item], 1)
+                    return
+                if count > GGUF_MAX_STRINGS:
+                    raise refuse(f"array {what} claims {count} entries, over the {GGUF_MAX_STRINGS} dspark reads")
+                room(count, 8 if item == _GGUF_STRING else 12, f"array {what}")  # a length, or a type and count
+                for _ in range(count):
+                    value(item, what, depth + 1)
+            elif kind == _GGUF_ARRAY:
+                raise refuse(f"{what} nests arrays over {GGUF_MAX_ARRAY_NESTING} deep")
+            else:
+                raise refuse(f"{what} has value type {kind}, which GGUF does not define")
+
+        tensors, kvs = take("Q", "the header"), take("Q", "the header")
+        room(kvs, 8 + 4, "the metadata count")
+        for i in range(kvs):
+            n = take("Q", f"metadata key {i}")
+            if n > GGUF_MAX_KEY_BYTES:
+                raise refuse(f"metadata key {i} claims {n} bytes, over the {GGUF_MAX_KEY_BYTES} a key may hold")
+            key = f.read(n).decode("utf-8", "replace")
+            value(take("I", key), key)
+        room(tensors, _TENSOR_INFO_MIN_BYTES, "the tensor count")
+        for i in range(tensors):
+            string(f"tensor {i}'s name")
+            dims = take("I", f"tensor {i}")
+            if dims > GGUF_MAX_DIMS:
+                raise refuse(f"tensor {i} has {dims} dimensions, more than GGUF's {GGUF_MAX_DIMS}")
+            room(dims * 8 + 4 + 8, 1, f"tensor {i}")
+            f.seek(dims * 8 + 4 + 8, 1)
+
+
 def _architecture(path: Path) -> str:
     from gguf import GGUFReader
 
+    check_gguf_metadata(path)
     try:
         field = GGUFReader(path).fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode()

@@ -52,8 +52,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
+from dspark import jsonio
 from dspark.errors import InputError
-from dspark.prepare import open_data
+from dspark.prepare import OVER_MAX_CHARS, open_data, too_many_chars
 
 # Context buckets count tokens of the rendered prompt, K = 1024 (LongBench's own `length`
 # counts words, K = 1000): power-of-two windows, so a 4096-token verifier ends at "2K-4K".
@@ -245,7 +246,7 @@ def _detect(path: Path) -> str:
     with open_data(path) as f:
         lineno, first = next(((n, line) for n, line in enumerate(f, 1) if line.strip()), (1, b""))
     try:
-        record = json.loads(first.decode("utf-8-sig"))
+        record = jsonio.loads(first.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         return "chat"  # a JSON array, or a broken line: the chat reader names the problem
     if isinstance(record, dict) and not {"messages", "conversations"} & record.keys():
@@ -286,7 +287,7 @@ def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Pr
             if not raw.strip():
                 continue
             try:
-                record = json.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
+                record = jsonio.loads(raw.decode("utf-8-sig" if lineno == 1 else "utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise InputError(f"{path}:{lineno}: not a JSON line ({type(e).__name__})",
                                  "fix or delete that line") from None
@@ -296,6 +297,9 @@ def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Pr
             content, subdomain = asked
             if not content.strip():
                 dropped["empty_prompt"] += 1
+                continue
+            if too_many_chars([content]):  # not rendered nor tokenized: neither has a bound on its time
+                dropped[OVER_MAX_CHARS] += 1
                 continue
             turns = ({"role": "user", "content": content},)
             yield Prompt(tuple(render_prompt(tokenizer, list(turns))), None if subdomain is None else str(subdomain),
