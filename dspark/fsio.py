@@ -149,12 +149,15 @@ def _fsync_tree(folder: Path) -> None:
 
 
 @contextmanager
-def publishing(path: str | Path, replace: bool = False) -> Iterator[Path]:
+def publishing(path: str | Path, replace: bool = False, into: str | None = None) -> Iterator[Path]:
     """A new empty folder, renamed to `path` once the block has filled it without error; removed otherwise.
 
     `path` may be absent or an empty folder. `replace`: a folder or a symlink at `path` is swapped out and
     removed (two renames: a crash between them leaves nothing at `path`); a symlink is not followed, what
     it points at stays. A file at `path` is never replaced: the rename fails (NotADirectoryError).
+    `into`: a non-empty folder at `path` is kept instead, with the new files renamed into it one by one over
+    those of the same name, and the file named `into` (the record that marks the folder complete) removed
+    first and put in last; the folder's other files stay as they were.
     """
     path = Path(path)
     tmp = temp_path(path)
@@ -162,6 +165,10 @@ def publishing(path: str | Path, replace: bool = False) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_tree(tmp)
+        if into is not None and path.is_dir() and not path.is_symlink() and any(path.iterdir()):
+            _move_into(tmp, path, into)
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         old = None
         if replace and (path.is_symlink() or path.is_dir()):
             old = temp_path(path)
@@ -180,6 +187,19 @@ def publishing(path: str | Path, replace: bool = False) -> Iterator[Path]:
         old.unlink()
     elif old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _move_into(tmp: Path, path: Path, record: str) -> None:
+    """Rename `tmp`'s files into folder `path`, `record` last; until then `path` holds no record, so a crash
+    midway leaves a folder no reader takes for complete."""
+    (path / record).unlink(missing_ok=True)
+    fsync_dir(path)
+    for p in tmp.iterdir():
+        if p.name != record:
+            os.replace(p, path / p.name)
+    fsync_dir(path)  # the files are in before their record is
+    os.replace(tmp / record, path / record)
+    fsync_dir(path)
 
 
 def remove_leftovers(path: str | Path, sole_writer: bool = False) -> list[Path]:

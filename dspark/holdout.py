@@ -29,8 +29,10 @@ from pathlib import Path
 
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_json
+from dspark.files import FileRefused, file_xxh3, read_bounded
 from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
+from dspark.outputs import check_output, distinct, output_lock, writing
 from dspark.settings import setting
 
 
@@ -45,8 +47,11 @@ class HoldoutConfig:
     exclude: list[str] = setting(factory=list, help="A prompt file reported on (HumanEval, MT-bench, chat JSONL; "
                                                     "repeatable): its prompts leave training.")
     seed: int = setting(0)
+    force: bool = setting(False, "Overwrite existing --train/--heldout-output files that an earlier holdout did not "
+                                 "write (never --data or an --exclude file).", negatable=False)
 
 MIN_OVERLAP_CHARS = 40
+SUMMARY_BYTES = 1 << 20  # a summary is a few KB: a larger file is not one holdout wrote
 _SPACE = re.compile(r"\s+")
 _USER_KEYS = {"prompt", "turns", "question", "instruction", "input"}  # prompt-file fields that hold user text
 
@@ -130,11 +135,12 @@ class ExcludeIndex:
 
 
 def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int = 0,
-          exclude: list[Path] = ()) -> dict:
+          exclude: list[Path] = (), force: bool = False) -> dict:
     from dspark.prepare import read_conversations
 
     if heldout < 0:
         raise InputError(f"--heldout {heldout} is negative", "pass how many conversations to hold out")
+    _check_paths(Path(data), Path(train_out), Path(heldout_out), [Path(p) for p in exclude], force)
     chats = read_conversations(Path(data))
     dropped = Counter(chats.dropped)
     unique, seen = [], set()
@@ -164,20 +170,54 @@ def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: in
             dropped["overlaps_eval_set"] += 1
             continue
         train.append(messages)
-    _write(train_out, train)
-    _write(heldout_out, [unique[i][1] for i in held])
-    summary = {"data": str(data), "conversations": chats.records, "distinct_prompts": len(unique),
-               "train": len(train), "heldout": len(held), "seed": seed, "exclude": [str(p) for p in exclude],
-               "dropped_by_reason": dict(dropped.most_common()),
-               "fingerprint": sha256_json({"train": train, "heldout": [unique[i][1] for i in held]})}
-    write_atomic(Path(f"{train_out}.summary.json"), dump_json(summary, indent=2) + "\n")
+    with output_lock("--train", Path(train_out)):
+        outputs = {"train": _write(train_out, train), "heldout": _write(heldout_out, [unique[i][1] for i in held])}
+        summary = {"data": str(data), "conversations": chats.records, "distinct_prompts": len(unique),
+                   "train": len(train), "heldout": len(held), "seed": seed, "exclude": [str(p) for p in exclude],
+                   "dropped_by_reason": dict(dropped.most_common()),
+                   "fingerprint": sha256_json({"train": train, "heldout": [unique[i][1] for i in held]}),
+                   "outputs": outputs}  # the record by which a rerun knows these files for its own
+        with writing(_summary_path(train_out), "the split files are written: rerun with --force to record them"):
+            write_atomic(_summary_path(train_out), dump_json(summary, indent=2) + "\n")
     return summary
 
 
-def _write(path: Path, conversations: list[list[dict]]) -> None:
-    """Whole or not at all: a reader never sees part of the file."""
+def _summary_path(train_out: Path) -> Path:
+    return Path(f"{train_out}.summary.json")
+
+
+def _record(summary: Path) -> dict | None:
+    """The record of the files an earlier holdout wrote, from its summary: {role: {"file", "xxh3_128"}}."""
+    try:
+        outputs = json.loads(read_bounded(summary, SUMMARY_BYTES)).get("outputs")
+    except (OSError, ValueError, AttributeError, FileRefused):  # AttributeError: JSON that is no object
+        return None
+    return outputs if isinstance(outputs, dict) else None
+
+
+def _check_paths(data: Path, train_out: Path, heldout_out: Path, exclude: list[Path], force: bool) -> None:
+    """The output rule (dspark.outputs), before any reading: no output is an input or another output, and an
+    existing output is one this command wrote (its hash in the summary's record) unless --force."""
+    for path in exclude:  # an input in two roles: every conversation would overlap itself
+        distinct("--exclude", path, [("--data", data)], fix="pass the prompt files you report on, not --data")
+    summary = _summary_path(train_out)
+    record = _record(summary)
+    hashes = {v.get("xxh3_128") for v in (record or {}).values() if isinstance(v, dict)}
+    what = f"a file `dspark holdout` wrote (recorded in {summary.name})"
+    outputs = [("--train", train_out, lambda p: file_xxh3(p) in hashes),
+               ("--heldout-output", heldout_out, lambda p: file_xxh3(p) in hashes),
+               ("--train's summary", summary, lambda p: record is not None)]
+    inputs = [("--data", data), *(("--exclude", p) for p in exclude)]
+    for flag, path, own in outputs:
+        others = [(f, p) for f, p, _ in outputs if f != flag]
+        check_output(flag, path, folder=False, taken=inputs + others, own=own, what=what, force=force)
+
+
+def _write(path: Path, conversations: list[list[dict]]) -> dict:
+    """Whole or not at all: a reader never sees part of the file. Returns its record (name and hash)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(path) as f:
+    with writing(path, "the file it would replace is kept whole"), replacing(path) as f:
         for messages in conversations:
             f.write((json.dumps({"messages": messages}, ensure_ascii=False) + "\n").encode())
+    return {"file": path.name, "xxh3_128": file_xxh3(path)}

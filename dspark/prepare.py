@@ -23,7 +23,6 @@ import hashlib
 import json
 import re
 import signal
-import tempfile
 import threading
 import zlib
 from collections import Counter
@@ -39,6 +38,7 @@ from dspark import jsonio
 from dspark.errors import InputError
 from dspark.files import MAX_LINE_BYTES, DataReader, FileRefused, file_xxh3
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
+from dspark.outputs import check_output, output_lock, written_files
 from dspark.settings import setting
 
 # Role names public dumps use -> the chat template's roles. Matched case-insensitively;
@@ -555,9 +555,17 @@ def _work(args):
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     """Run (or skip, if up to date) the preparation; returns the summary."""
+    out = Path(cfg.output)
+    check_output("--output", out, folder=True, taken=[("--model", Path(cfg.model)), ("--data", Path(cfg.data))],
+                 own=lambda p: written_files(p, PREPARED_FILES, "prepare.json"),
+                 what="a folder `dspark prepare` wrote (prepare.json and its files, nothing else)")
+    with output_lock("--output", out):  # a concurrent prepare into the same folder is refused
+        return _prepare(cfg, out, progress)
+
+
+def _prepare(cfg: PrepareConfig, out: Path, progress: bool) -> dict:
     from tqdm import tqdm
 
-    out = Path(cfg.output)
     model = Path(cfg.model)
     tok = load_tokenizer(model, cfg.trust_remote_code)
     data = read_conversations(Path(cfg.data), cfg.role_map, cfg.strict, cfg.skip_invalid_lines)
@@ -577,7 +585,6 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict:
     if (meta.get("inputs_key") == inputs_key and "stats" in meta and "files" in meta  # no record: write one
             and not (cfg.strict and meta["stats"].get("dropped"))):  # --strict: fail on those drops
         return {**meta["stats"], "up_to_date": True}
-    _check_writable(out)
 
     workers = max(1, cfg.num_preprocessing_workers)
     jobs = [(m, cfg.seq_length, cfg.template_timeout) for m in convs]
@@ -644,17 +651,6 @@ def _all_dropped(cfg: PrepareConfig, data: ChatData):
     skipped = f"; {data.invalid_lines} invalid lines skipped" if data.invalid_lines else ""
     raise InputError(f"every conversation in {cfg.data} was dropped ({counts}{skipped}); "
                      f"first {top[0][0]}: {data.first_drop[top[0][0]]}", _drop_fix(top[0][0]))
-
-
-def _check_writable(out: Path) -> None:
-    """Fail before the work, not after it: can we create files beside `out`?"""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as e:
-        raise InputError(f"output folder {out} is not writable ({e.strerror or e})",
-                         "choose a --output you can write to") from None
 
 
 def data_fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.ndarray) -> str:

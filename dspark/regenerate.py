@@ -66,6 +66,7 @@ from dspark.settings import check_settings, setting
 from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
+from dspark.outputs import check_output, writing
 from dspark.verifier import VerifierInfo
 from dspark.verifier_check import check_verifier_config
 
@@ -441,6 +442,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     start_time = time.perf_counter()
     check_settings(cfg)
     model, output = Path(cfg.model), Path(cfg.output)
+    # An existing OUTPUT is this command's own when its record is beside it: resume() decides that.
+    check_output("--output", output, folder=False, taken=[("--model", model), ("--data", Path(cfg.data))])
     info = VerifierInfo.load(model, fix="pass --model a local Hugging Face model folder")
     tokenizer = load_tokenizer(model, cfg.trust_remote_code)
     dtype = cfg.dtype or info.weights_dtype or "float32"
@@ -448,7 +451,8 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     prompts, dropped, read = load_prompts(cfg, tokenizer, info.max_position_embeddings)
     settings = settings_key(cfg, dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "ab") as f:  # appends land at the end, also after resume() truncates
+    with writing(output, "the prompts committed before are kept: rerun the same command to resume after them"), \
+            open(output, "ab") as f:  # appends land at the end, also after resume() truncates
         lock(f, output)
         record, resumed = resume(output, settings)
         return _run(cfg, f, record, resumed, prompts, dropped, read, tokenizer, stop, dtype, start_time, progress,

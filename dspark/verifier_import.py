@@ -29,6 +29,7 @@ from typing import Literal
 
 from dspark.errors import InputError
 from dspark.fsio import publishing, remove_leftovers
+from dspark.outputs import check_output, output_lock
 from dspark.settings import setting
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -46,7 +47,8 @@ class ImportConfig:
     source: str = setting(help="A .gguf path, `pkg:PACKAGE/PATH` or an alias.", positional=True)
     output: str = setting(help="The model folder to write.")
     dtype: Literal[DTYPES] = setting("bfloat16", "Weight dtype of the written safetensors.")
-    force: bool = setting(False, "Overwrite a non-empty --output.", negatable=False)
+    force: bool = setting(False, "Write into a non-empty --output: over files of the same name, leaving others.",
+                          negatable=False)
 
 
 def _pip_line(package: str) -> str:
@@ -236,13 +238,9 @@ def _remove_stale_temps(output: Path) -> None:
             pass
 
 
-def _check_output(output: Path, source: Path, sha: str, dtype: str, force: bool) -> dict | None:
+def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | None:
     """The record of the finished same import at `output` (a rerun: nothing to do), or None to import.
     Refuses a folder that holds anything else, unless `force`."""
-    if output.exists() and not output.is_dir():
-        raise InputError(f"--output {output} is a file", "give a folder path")
-    if output.resolve() in source.parents:
-        raise InputError(f"--output {output} contains the source {source}", "import into another folder")
     if not output.exists() or not any(output.iterdir()) or force:
         return None
     try:
@@ -296,8 +294,14 @@ def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype}: unknown", f"choose one of {', '.join(DTYPES)}")
     path = resolve_source(source)
+    check_output("--output", output, folder=True, taken=[("SOURCE", path)])  # before the hash and the lock
+    with output_lock("--output", output):  # a concurrent import into the same new folder is refused
+        return _import(path, output, dtype, force)
+
+
+def _import(path: Path, output: Path, dtype: str, force: bool) -> dict:
     sha = _sha256(path)
-    previous = _check_output(output, path, sha, dtype, force)
+    previous = _check_output(output, sha, dtype, force)
     if previous is not None:
         return {**previous["summary"], "output": str(output), "status": "already imported, nothing written",
                 "bytes_written": 0}
@@ -307,8 +311,8 @@ def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool 
     model, tokenizer = _load(path, arch, dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(output)
-    # --force: an existing folder is swapped out and removed; an empty one is simply replaced
-    with publishing(output, replace=True) as tmp:
+    # --force: the import's files go into a non-empty folder over those of the same name, its other files stay
+    with publishing(output, replace=True, into=IMPORT_RECORD) as tmp:
         model.save_pretrained(tmp)  # safetensors, in the dtype the model was loaded in
         tokenizer.save_pretrained(tmp)  # with its chat template
         # The weights arrive 0600 (written through a temp file); the folder is shared with other

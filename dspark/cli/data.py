@@ -65,7 +65,7 @@ def holdout(cfg: HoldoutConfig):
     from dspark.holdout import split
 
     echo_json(split(Path(cfg.data), Path(cfg.train), Path(cfg.heldout_output), cfg.heldout, cfg.seed,
-                    [Path(p) for p in cfg.exclude]))
+                    [Path(p) for p in cfg.exclude], cfg.force))
 
 
 @command(main, "prepare", PrepareConfig, config_file=PrepareConfig)

@@ -66,6 +66,17 @@ def _stored_damage(out: SinkConfig) -> tuple[dict[int, str], int]:
     return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(out.store))
 
 
+def _require_codec(out: SinkConfig) -> StoreManifest | None:
+    """The manifest of the store `out` writes to, if one exists; refused if --codec names another codec than the
+    one it was created with (a store keeps it: the sink writes in the store's codec, whatever --codec says)."""
+    existing = StoreManifest.load(Path(out.store)) if _existing_store(out) else None
+    if existing and out.codec and existing.codec != codec_named(out.codec):
+        raise InputError(f"store {out.store} was created with codec {existing.codec.name}, not {out.codec}: a "
+                         "store keeps the codec it was created with",
+                         f"drop --codec to extend it, or pass a new --store for {out.codec}")
+    return existing
+
+
 def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, str] | None = None) -> dict:
     """Extract every sample the sinks lack, plus `rewrite` (id -> what is wrong with its stored copy).
 
@@ -81,11 +92,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
-    existing = StoreManifest.load(Path(out.store)) if _existing_store(out) else None
-    if existing and out.codec and existing.codec != codec_named(out.codec):
-        raise InputError(f"store {out.store} was created with codec {existing.codec.name}, not {out.codec}: a "
-                         "store keeps the codec it was created with",
-                         f"drop --codec to extend it, or pass a new --store for {out.codec}")
+    existing = _require_codec(out)
     if existing and existing.require_match(  # before the model loads; the sink checks again
             out.store, "use a new --store folder, or the verifier it was made from", verifier=cfg.model,
             accept_other_weights=out.accept_other_weights):
@@ -112,6 +119,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     sink = sinks.open(manifest)
     tokens, t0 = 0, time.perf_counter()
     try:
+        _require_codec(out)  # again: a concurrent extract may have created the store since, with another codec
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
         total = sum(len(b) for b in todo)
         done_before = sum(len(b) for b in batches) - total

@@ -29,17 +29,13 @@ crafted file names. Loading refuses anything else with one line.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import pickle
 import random
 import re
-import shlex
 import shutil
-import socket
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +45,7 @@ from dspark.errors import CheckpointError, InputError
 from dspark.files import FileRefused, file_xxh3, read_bounded
 from dspark.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
 from dspark.jsonio import dump_json
+from dspark.outputs import Lock
 
 
 def rng_state() -> dict:
@@ -94,42 +91,14 @@ def _write_failure(e: BaseException) -> tuple[str, bool]:
     return first_line(e), False
 
 
-class RunLock:
+class RunLock(Lock):
     """The exclusive OS lock (flock) on RUN/.lock, held until `release()` or the end of the process."""
 
     def __init__(self, root: Path):
         root.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(self.fd, 4096, 0)
-            self.release()
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise CheckpointError(f"cannot lock run folder {root}: {e.strerror}",
-                                      "put the run on a filesystem that supports file locks (flock)") from None
-            raise CheckpointError(f"run folder {root} is in use by {_holder(holder)}",
-                                  "wait for it to finish or stop it (its lock goes with it, even on kill -9), "
-                                  "or use another --save-path") from None
-        # Who holds it, for the line a refused process prints.
-        command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-              "command": command if len(command) <= 160 else command[:159] + "…"}
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps(me).encode(), 0)
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the file drops the lock
-            self.fd = None
-
-
-def _holder(text: bytes) -> str:
-    try:
-        h = json.loads(text)
-        return f"pid {h['pid']} on {h['host']} since {h['since']} ({h['command']})"
-    except (ValueError, KeyError, TypeError):  # it has locked but not yet said who it is
-        return "another process"
+        super().__init__(root / ".lock", f"run folder {root}",
+                         "wait for it to finish or stop it (its lock goes with it, even on kill -9), "
+                         "or use another --save-path", CheckpointError)
 
 
 CHECKSUMS = "checksums.json"
