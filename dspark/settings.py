@@ -12,9 +12,11 @@ and `dspark.cli` (the only click user) turns the same leaves into options.
 
 from __future__ import annotations
 
+import collections
 import difflib
 import json
 import math
+import shlex
 import types
 import typing
 from dataclasses import MISSING, field, fields, is_dataclass, replace
@@ -30,18 +32,20 @@ MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB
 
 def setting(default: Any = MISSING, help: str = "", *, flags: tuple[str, ...] = (), cli: bool = True,
             factory: Any = MISSING, negatable: bool = True, ge: float | None = None, gt: float | None = None,
-            prefixed: bool = True, allow_inf: bool = False, result_neutral: bool = False,
-            positional: bool = False, switch: Any = None, metavar: str | None = None):
+            le: float | None = None, prefixed: bool = True, allow_inf: bool = False, result_neutral: bool = False,
+            positional: bool = False, switch: Any = None, metavar: str | None = None, distinct: bool = False):
     """A config field with what its option needs (help, flag names, or no option at all) and its bounds.
 
     A float setting is finite: NaN never, infinity only where `allow_inf` says it means something.
+    `le`: an upper bound, where a larger value would cost memory or time out of all proportion.
+    `distinct`: a list setting that names each item once (a layer read twice is an error, not a wider model).
     `result_neutral`: changing it on a resume or replay changes nothing the run computes (a nested
     config's field marks all of its settings). `positional`: an argument, not a flag. `switch`: a
     flag without a value that sets this value (`--fp8` is `encoding: fp8_e4m3`).
     """
-    meta = {"help": help, "flags": flags, "cli": cli, "negatable": negatable, "ge": ge, "gt": gt,
+    meta = {"help": help, "flags": flags, "cli": cli, "negatable": negatable, "ge": ge, "gt": gt, "le": le,
             "prefixed": prefixed, "allow_inf": allow_inf, "result_neutral": result_neutral,
-            "positional": positional, "switch": switch, "metavar": metavar}
+            "positional": positional, "switch": switch, "metavar": metavar, "distinct": distinct}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -109,7 +113,8 @@ def check_finite(flag: str, value, default=None, allow_inf: bool = False) -> Non
 
 
 def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
-    """Every setting's choices, finiteness and `ge`/`gt` bounds, as one line naming the flag and its value.
+    """Every setting's choices, finiteness, `ge`/`gt`/`le` bounds and distinct items, as one line naming the flag
+    and its value.
 
     Click checks finiteness on the command line and in config files; this also covers Python callers.
     """
@@ -122,13 +127,30 @@ def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
             raise InputError(f"{flags[0]} {value!r} is not supported", f"use one of {list(choices)}")
         default = None if default is MISSING else default
         check_finite(flags[0], value, default, f.metadata.get("allow_inf", False))
-        ge, gt = f.metadata.get("ge"), f.metadata.get("gt")
-        if value is None or (ge is None and gt is None):
+        if f.metadata.get("distinct") and value is not None:
+            check_distinct(flags[0], value)
+        ge, gt, le = f.metadata.get("ge"), f.metadata.get("gt"), f.metadata.get("le")
+        if value is None:
             continue
         if (ge is not None and value < ge) or (gt is not None and value <= gt):
             bound = f">= {ge}" if ge is not None else f"> {gt}"
-            shown = "" if default is None else f" (default {default})"
-            raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
+        elif le is not None and value > le:
+            bound = f"<= {le}"
+        else:
+            continue
+        shown = "" if default is None else f" (default {default})"
+        raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
+
+
+def check_distinct(flag: str, items: list) -> None:
+    """Each item once: speculators refuses a layer listed twice (deep in model building); any order is fine,
+    it is the order the drafter reads the layers in."""
+    twice = sorted(x for x, n in collections.Counter(items).items() if n > 1)
+    if twice:
+        raise InputError(f"{flag} {' '.join(map(str, items))} lists {', '.join(map(str, twice))} more than once",
+                         "list each layer once (in any order: the drafter reads them in the order given)")
+    if not items:
+        raise InputError(f"{flag} is empty", "list at least one layer, e.g. [1, 3]")
 
 
 def nest(flat: dict[str, Any]) -> dict[str, Any]:
@@ -202,7 +224,39 @@ def _load_yaml(text: str, path: Path):
             line = event.start_mark.line + 1
             raise InputError(f"config file {path} uses a YAML alias (*{event.anchor}, line {line})",
                              "write the value out: config files refuse aliases")
-    return yaml.load(text, Loader=loader)  # noqa: S506  (a safe loader)
+
+    class UniqueKeys(loader):
+        def construct_mapping(self, node, deep=False):
+            lines: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                if not isinstance(key, typing.Hashable):
+                    continue  # the base class refuses it
+                if key in lines:
+                    raise _twice(path, key, f" (lines {lines[key]} and {line})")
+                lines[key] = line
+            return super().construct_mapping(node, deep)
+
+    return yaml.load(text, Loader=UniqueKeys)  # noqa: S506  (a safe loader)
+
+
+def _twice(path: Path, key, where: str = "") -> InputError:
+    """YAML and JSON keep the last of a key given twice, without a word: a file's typo would win silently."""
+    return InputError(f"config file {path} sets {key!r} twice{where}", "keep one of them")
+
+
+def _unique_pairs(path: Path):
+    """json's object_pairs_hook: an object, refusing a key given twice (json has no line numbers to name)."""
+    def hook(pairs: list) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise _twice(path, key, " in one object")
+            out[key] = value
+        return out
+    return hook
 
 
 # A deployment file (configs/cpu.yaml) configures several commands at once: a section per command,
@@ -220,7 +274,8 @@ def _read_config(path: Path) -> dict:
         raise InputError(f"config file {path} {e}", "pass --config a YAML or JSON file of settings "
                                                     "(`dspark train --print-config` writes one)") from None
     try:
-        data = json.loads(raw) if path.suffix == ".json" else _load_yaml(raw.decode(), path)
+        data = json.loads(raw, object_pairs_hook=_unique_pairs(path)) if path.suffix == ".json" \
+            else _load_yaml(raw.decode(), path)
     except InputError:
         raise
     except Exception as e:  # noqa: BLE001  (any parse error is the same user mistake)
@@ -247,21 +302,113 @@ def _names(cls) -> set[str]:
     return {f.name for f in fields(cls)}
 
 
-def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Nested settings of `cls` (as in a file) as flat `SEP`-joined names -> values; unknown keys refused."""
+def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = (), label: tuple[str, ...] = (),
+             by_name: dict[str, Leaf] | None = None) -> dict[str, Any]:
+    """Nested settings of `cls` (as in a file) as flat `SEP`-joined names -> values typed as their flags take
+    them; unknown keys and one key spelt twice (`a-b`, `a_b`) refused. `prefix`: where `cls` sits in the
+    command's config (whose leaves are `by_name`); `label`: where `node` sits in the file."""
+    by_name = {SEP.join(leaf.path): leaf for leaf in leaves(cls)} if by_name is None else by_name
     flat: dict[str, Any] = {}
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
+    spelt: dict[str, Any] = {}
     for key, value in node.items():
         name = str(key).replace("-", "_")
         where = ".".join((*prefix, name))
         if name not in known:
             raise _unknown(where, str(path), known)
+        if name in spelt:
+            raise _twice(path, ".".join((*label, name)), f" (as {spelt[name]!r} and {key!r})")
+        spelt[name] = key
         if is_dataclass(hints[name]):
-            flat.update(_flatten(_mapping(value, where, path, _names(hints[name])), hints[name], path, (*prefix, name)))
+            flat.update(_flatten(_mapping(value, where, path, _names(hints[name])), hints[name], path,
+                                 (*prefix, name), (*label, name), by_name))
         else:
-            flat[SEP.join((*prefix, name))] = value
+            flat[SEP.join((*prefix, name))] = file_value(by_name[SEP.join((*prefix, name))], value, path,
+                                                         ".".join((*label, name)))
     return flat
+
+
+_NOT = object()  # `_typed`'s "not of this type" (None is a value)
+_NOUNS = {int: "integer", float: "number", str: "string", bool: "true/false value"}
+
+
+def _typed(hint, value):
+    """`value` as a setting of type `hint` takes it from a file, or `_NOT`.
+
+    The file's own type must be the setting's (YAML `true` is no port, and to Python a bool is an int),
+    an int serving for a float; a string for a number is read as its flag reads the word (YAML 1.1 reads
+    `1e-3` as a string). A list setting takes a list, whose items are typed the same way.
+    """
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return next((out for out in (_typed(arm, value) for arm in args) if out is not _NOT), _NOT)
+    if hint is type(None):
+        return None if value is None else _NOT
+    if value is None:
+        return _NOT
+    if isinstance(value, bool):
+        return value if hint is bool else _NOT
+    if hint in (int, float) and isinstance(value, str):
+        try:
+            return hint(value)
+        except ValueError:
+            return _NOT
+    if hint is float and isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # an int past a float's range: check_finite names it
+            return math.copysign(math.inf, value)
+    if origin is Literal:
+        return value if any(value == c and type(value) is type(c) for c in args) else _NOT
+    if origin is list:
+        items = [_typed(args[0], x) for x in value] if isinstance(value, list) else [_NOT]
+        return _NOT if any(x is _NOT for x in items) else items
+    if origin is dict:
+        ok = isinstance(value, dict) and all(_typed(args[0], k) is k and _typed(args[1], v) is v
+                                             for k, v in value.items())
+        return value if ok else _NOT
+    if hint in (bool, int, float, str, dict, list):
+        return value if isinstance(value, hint) else _NOT
+    return value  # a type with no file form to check
+
+
+def _expected(hint) -> str:
+    """What a file must give for a setting of type `hint`, as an error line says it."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_expected(arm) for arm in args)
+    if origin is Literal:
+        return f"one of {list(args)}"
+    if origin is list:
+        return f"a list of {_NOUNS.get(args[0], str(args[0]))}s"
+    if origin is dict or hint is dict:
+        return "a mapping"
+    return {type(None): "null", bool: "true or false", int: "an integer", float: "a number",
+            str: "a string"}.get(hint, str(hint))
+
+
+def file_value(leaf: Leaf, value, path: Path, label: str):
+    """`value` of setting `leaf` from config file `path` (at `label`, e.g. `launch-vllm.port`), typed as its
+    flag takes it; anything else is one line naming the file, the key, the value and the type expected."""
+    out = _typed(leaf.hint, value)
+    number = value if out is _NOT else out
+    if isinstance(number, float) and base_type(leaf.hint) in (int, float):  # NaN/inf: the flag's own line
+        check_finite(leaf.flags[0], number, None if leaf.default is MISSING else leaf.default,
+                     leaf.meta.get("allow_inf", False))
+    if out is not _NOT:
+        return out
+    shown = json.dumps(value, default=str)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    expected = _expected(leaf.hint)
+    example = None if leaf.default in (MISSING, None) else json.dumps(leaf.default)
+    fix = f"write {expected}" + (f", e.g. `{leaf.path[-1]}: {example}` (its default)" if example else "")
+    if isinstance(value, str) and typing.get_origin(base_type(leaf.hint)) is list:
+        try:  # a string is not split: one word with a space in it would become two
+            fix = f"write a YAML list: `{leaf.path[-1]}: {json.dumps(shlex.split(value))}`"
+        except ValueError:
+            fix = "write a YAML list, one item each"
+    raise InputError(f"config file {path}: {label} is {shown}, expected {expected}", fix)
 
 
 def _groups(cls, prefix: tuple[str, ...] = ()):
@@ -284,6 +431,7 @@ def _deployment(data: dict, section: str | None, cls, path: Path, sections: dict
         raise InputError(f"config file {path} is a deployment file, with no section for this command",
                          f"pass a file of this command's settings (sections are {list(sections)})")
     anywhere = {name for c in sections.values() for _, sub in _groups(c) for name in _names(sub)}
+    by_name = {SEP.join(leaf.path): leaf for leaf in leaves(cls)}
     flat: dict[str, Any] = {}
     for key, value in _mapping(data.get(SHARED), SHARED, path).items():  # settings several commands have
         name = str(key).replace("-", "_")
@@ -291,8 +439,8 @@ def _deployment(data: dict, section: str | None, cls, path: Path, sections: dict
             raise _unknown(f"{SHARED}.{name}", str(path), anywhere)
         for prefix, sub in _groups(cls):  # e.g. `mooncake` is train's live.mooncake and launch-vllm's sink.mooncake
             if name in _names(sub):
-                flat.update(_flatten({key: value}, sub, path, prefix))
-    flat.update(_flatten(_mapping(data.get(section), section, path, _names(cls)), cls, path))
+                flat.update(_flatten({key: value}, sub, path, prefix, (SHARED,), by_name))
+    flat.update(_flatten(_mapping(data.get(section), section, path, _names(cls)), cls, path, (), (section,), by_name))
     return flat
 
 

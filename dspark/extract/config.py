@@ -55,7 +55,7 @@ class ExtractConfig(Batching):
     """`dspark extract`: capture verifier hidden states of prepared samples into the sinks."""
 
     data: str = setting(help="A folder written by `dspark prepare`.")
-    target_layer_ids: list[int] = setting(help="e.g. `1 3 5` or `1,3,5`.")
+    target_layer_ids: list[int] = setting(help="e.g. `1 3 5` or `1,3,5`.", distinct=True)
     engine: Literal["transformers", "vllm"] = setting(
         "transformers", "vllm: vllm.LLM with our KV connector (run from .venv-vllm).")
     dtype: str | None = setting(None, "Override the verifier dtype (default: its config's).")
@@ -74,7 +74,7 @@ class ServeConfig(VerifierRun):
     port: int = setting(8000, ge=0)
     data: str | None = setting(
         None, "Prepared data: pins the store identity (needed with zarr; live requests name their own).")
-    target_layer_ids: list[int] = setting(help="e.g. `1 3 5` or `1,3,5`.")
+    target_layer_ids: list[int] = setting(help="e.g. `1 3 5` or `1,3,5`.", distinct=True)
     dtype: str | None = setting(None, "Override the verifier dtype (default: its config's).")
     limits: ServeLimits = setting(factory=ServeLimits, prefixed=False)
     sink: SinkConfig = setting(factory=server_sinks, prefixed=False)
@@ -91,7 +91,7 @@ class LaunchConfig:
                               "cache, or vLLM's --download-dir; not cached: pass --num-hidden-layers).",
                          positional=True)
     data: str | None = setting(None, "Prepared folder: pins the store identity (needed with zarr).")
-    target_layer_ids: list[int] = setting(help="e.g. `24 48 72` or `24,48,72`.")
+    target_layer_ids: list[int] = setting(help="e.g. `24 48 72` or `24,48,72`.", distinct=True)
     num_hidden_layers: int | None = setting(None, "Only when MODEL is neither a folder nor cached.", ge=1)
     trust_remote_code: bool = setting(False, negatable=False)
     python: str | None = setting(None, "Interpreter with vLLM (default: this one).")

@@ -20,6 +20,9 @@ KIND_ONLY = {
 }
 BLOCK_ONLY = {"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id"}  # DFlash family
 DEFAULT_LOSS = {"eagle3": "kl_div"}  # speculators' EAGLE-3 default; the DFlash family's is TrainConfig's
+# The run plans every epoch's batches up front (a list of sample ids each, for the schedule's step count):
+# more epochs than this is a typo, and 1e29 of them was a MemoryError.
+MAX_EPOCHS = 1000
 
 
 def unread_settings(kind: str) -> set[str]:
@@ -40,7 +43,8 @@ class TrainConfig:
     data_path: str = setting(help="The prepared folder the store was extracted from.")
     verifier_name_or_path: str = setting(help="The verifier: a local folder, or a hub id in the Hugging Face cache.")
     save_path: str = setting(help="Run folder (resumed if it exists).", result_neutral=True)
-    target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.")
+    target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.",
+                                          distinct=True)
     source: Literal["zarr", "mooncake"] = setting(
         "zarr", "Where hidden states come from (--hidden-states-backend is the seed's name).",
         flags=("--from", "--hidden-states-backend"), result_neutral=True)
@@ -54,7 +58,7 @@ class TrainConfig:
     num_layers: int = setting(1, "Draft decoder layers.", ge=1)
     draft_vocab_size: int | None = setting(None, "Reduced draft vocabulary (from prepare's token frequencies).", ge=1)
     mask_token_id: int | None = setting(None, "Default: the tokenizer's mask token.", ge=0)
-    epochs: int = setting(1, ge=1)
+    epochs: int = setting(1, ge=1, le=MAX_EPOCHS)
     checkpoint_freq: float = setting(1.0, "Fraction of an epoch.", gt=0)
     total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
     train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
