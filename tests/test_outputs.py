@@ -130,6 +130,8 @@ def test_an_output_path_of_the_wrong_kind_or_the_current_folder_is_one_line_befo
 def test_verifier_import_force_keeps_unrelated_files_and_a_concurrent_import_is_refused(tmp_path):
     from test_verifier_import import write_gguf
 
+    from dspark.verifier_import import import_gguf
+
     src = write_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"
     out.mkdir()
@@ -149,6 +151,13 @@ def test_verifier_import_force_keeps_unrelated_files_and_a_concurrent_import_is_
     assert (out / "dspark_import.json").exists() and not list(tmp_path.glob(".out*"))
     rerun = run_cli("verifier", "import", src, "--output", out, "--dtype", "float32")
     assert "already imported" in rerun.stdout
+    # --force over an earlier import replaces all of its files (a stale shard would load as its weights)
+    record = json.loads((out / "dspark_import.json").read_text())
+    (out / "model-00001-of-00002.safetensors").write_text("an earlier import's shard")
+    (out / "dspark_import.json").write_text(json.dumps({**record, "files": [*record["files"],
+                                                                            "model-00001-of-00002.safetensors"]}))
+    assert import_gguf(str(src), out, dtype="bfloat16", force=True)["status"] == "imported"
+    assert not (out / "model-00001-of-00002.safetensors").exists() and (out / "notes.txt").read_text() == "mine"
 
 
 # --- regenerate: a full disk -------------------------------------------------------------------------------------
