@@ -115,14 +115,16 @@ def test_a_key_given_twice_is_one_line_from_the_cli(tmp_path):
     assert proc.stderr == f"error: config file {f} sets 'epochs' twice (lines 1 and 2) (fix: keep one of them)\n"
 
 
-def test_epochs_are_bounded_before_the_run_plans_them():
+@pytest.mark.parametrize("epochs, error", [
+    (str(10 ** 29), f"--epochs {10 ** 29} must be <= {MAX_EPOCHS} (fix: pass a value <= {MAX_EPOCHS} (default 1))"),
+    ("1e29", "--epochs '1e29' is not an integer (fix: pass an integer (default 1))"),  # was click's usage block
+])
+def test_epochs_are_bounded_before_the_run_plans_them(epochs, error):
     """`--epochs 1e29 --max-steps 2` planned 1e29 epochs of batches: a MemoryError."""
-    huge = str(10 ** 29)
-    proc = run_cli("train", *TRAIN, "--target-layer-ids", "1", "--epochs", huge, "--max-steps", "2",
+    proc = run_cli("train", *TRAIN, "--target-layer-ids", "1", "--epochs", epochs, "--max-steps", "2",
                    "--print-config", check=False)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr == f"error: --epochs {huge} must be <= {MAX_EPOCHS} (fix: pass a value <= {MAX_EPOCHS} " \
-                          "(default 1))\n"
+    assert proc.stderr == f"error: {error}\n"
 
 
 def test_a_float_for_an_int_setting_is_refused_as_its_flag_refuses_it(tmp_path):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import click
 
+from dspark.errors import InputError
 from dspark.settings import Leaf, base_type, check_finite, checked, cli_leaves, load_config_file
 
 
@@ -67,8 +68,14 @@ class _Finite:
             number = math.inf
         except (TypeError, ValueError):  # not a number at all: the base type says so
             number = 0.0
-        check_finite(param.opts[0] if param else "value", number, param.default if param else None, self.allow_inf)
-        return super().convert(value, param, ctx)
+        flag = param.opts[0] if param else "value"
+        check_finite(flag, number, param.default if param else None, self.allow_inf)
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter:  # one `error:` line, as every other bad setting, not click's usage block
+            expected = "an integer" if isinstance(self, click.types.IntParamType) else "a number"
+            raise InputError(f"{flag} {value!r} is not {expected}", f"pass {expected}" + (
+                "" if param is None or param.default is None else f" (default {param.default})")) from None
 
 
 class FiniteFloat(_Finite, click.types.FloatParamType):
