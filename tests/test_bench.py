@@ -4,8 +4,10 @@ so every figure the bench reports is known exactly. Broken servers (no spec deco
 mid-run, not there at all) must each end in one readable line.
 """
 
+import base64
 import copy
 import json
+import resource
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import run_cli, write_jsonl
 
+from dspark.bench import client
 from dspark.bench.client import BenchError
 from dspark.bench.metrics import Reading, SpecCounters, read
 from dspark.bench.run import WARMUP_TOKENS, BenchConfig, run_bench
@@ -77,7 +80,12 @@ class FakeVLLM:
     die_after: int | None = None   # answer this many POSTs, then drop the next connection and go down
     stream_error: str | None = None  # every reply fails mid-stream with this message, as vLLM reports it
     runner: str | None = None      # "v1"/"v2": GET /dspark/server answers it, as serve-draft's vLLM does
+    routes: dict = field(default_factory=dict)  # path -> reply(handler): a hostile answer in place of the usual one
+    completion_tokens: int | None = None  # what each reply's usage says (default: its max_tokens)
+    restart_after: int | None = None  # POSTs after which the counters start again from zero: a restart mid-bench
+    extra_metrics: str = ""        # more lines at the end of /metrics
     posts: list[tuple[str, dict]] = field(default_factory=list)
+    auth: list[str | None] = field(default_factory=list)  # each request's Authorization header
     counters: dict = field(default_factory=lambda: copy.deepcopy(START))
     prompt_tokens: int = 0
 
@@ -101,6 +109,8 @@ class FakeVLLM:
             self.posts.append((path, body))
             if self.die_after is not None and len(self.posts) > self.die_after:
                 return False
+            if len(self.posts) - 1 == self.restart_after:
+                self.counters = {"drafts": 0, "draft_tokens": 0, "per_pos": [0] * len(START["per_pos"])}
             self.prompt_tokens += len(body.get("prompt") or ())
             c = self.counters
             c["drafts"] += STEP["drafts"]
@@ -110,7 +120,8 @@ class FakeVLLM:
 
     def metrics(self) -> str | None:
         with self.lock:
-            return metrics_text(self.counters if self.spec else None, self.prompt_tokens) if self.vllm else None
+            text = metrics_text(self.counters if self.spec else None, self.prompt_tokens)
+            return text + self.extra_metrics if self.vllm else None
 
     def sent(self, path: str = "/v1/completions") -> list[dict]:
         """The bench's request bodies to `path`, the warm-up request (always the first) left out."""
@@ -127,8 +138,8 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # keep pytest's output clean
         pass
 
-    def _reply(self, code: int, ctype: str, body: str) -> None:
-        data = body.encode()
+    def _reply(self, code: int, ctype: str, body: str | bytes) -> None:
+        data = body.encode() if isinstance(body, str) else body
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(data)))
@@ -141,7 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         fake: FakeVLLM = self.server.fake
-        if self.path == "/v1/models":
+        fake.auth.append(self.headers.get("Authorization"))
+        if self.path in fake.routes:
+            fake.routes[self.path](self)
+        elif self.path == "/v1/models":
             self._reply(200, "application/json", json.dumps(
                 {"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": MAX_MODEL_LEN}]}))
         elif self.path == "/metrics" and (text := fake.metrics()) is not None:
@@ -155,7 +169,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         fake: FakeVLLM = self.server.fake
+        fake.auth.append(self.headers.get("Authorization"))
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path in fake.routes:
+            fake.take(self.path, body)
+            return fake.routes[self.path](self)
         if not fake.take(self.path, body):
             # A crash: this connection closes without a reply and the port stops listening.
             self.close_connection = True
@@ -172,8 +190,9 @@ class _Handler(BaseHTTPRequestHandler):
                 self._event({"error": {"object": "error", "message": fake.stream_error, "type": "InternalServerError",
                                        "code": 500}})
                 break
+        tokens = body["max_tokens"] if fake.completion_tokens is None else fake.completion_tokens
         self._event({"choices": [], "usage": {"prompt_tokens": len(body.get("prompt") or ()),
-                                              "completion_tokens": body["max_tokens"]}})
+                                              "completion_tokens": tokens}})
         self._event(b"[DONE]")
 
 
@@ -220,8 +239,8 @@ def bench_args(endpoint: str, verifier, out, *prompts, **flags) -> list[str]:
 
 def bench(fake, verifier, tmp_path, prompts, warn=print, **kw) -> dict:
     """run_bench in this process, for its numbers: bench.json's content."""
-    return run_bench(BenchConfig(endpoint=fake.url, prompts=[str(p) for p in prompts], tokenizer=str(verifier),
-                                 output=str(tmp_path), **kw), progress=False, warn=warn)[0]
+    return run_bench(BenchConfig(endpoint=kw.pop("endpoint", fake.url), prompts=[str(p) for p in prompts],
+                                 tokenizer=str(verifier), output=str(tmp_path), **kw), progress=False, warn=warn)[0]
 
 
 def one_line(stderr: str, prefix: str) -> str:
@@ -427,3 +446,164 @@ def test_prompts_longer_than_the_server_takes(serve, sets, verifier, tmp_path):
         bench(fake, verifier, tmp_path, [longbench], max_tokens=16)
     with pytest.raises(InputError, match=f"--max-tokens {MAX_MODEL_LEN} leaves no room .* max_model_len"):
         bench(fake, verifier, tmp_path, [sets["humaneval"]], max_tokens=MAX_MODEL_LEN)
+
+
+# --- hostile servers and inputs: every read bounded, every count checked, each one line (issue 41) -------
+
+LORIS_SECONDS = 8  # a slow loris hangs up after this, so that even a client without a deadline ends
+DEEP = b"[" * 100_000  # JSON nested deeper than Python's parser recurses
+
+
+def endless(head: bytes, tail: bytes):
+    """A 200 reply that never ends: `head`, then `tail` again and again until the client hangs up."""
+    def reply(h):
+        h.send_response(200)
+        h.end_headers()
+        try:
+            h.wfile.write(head)
+            while True:
+                h.wfile.write(tail)
+        except OSError:
+            pass
+    return reply
+
+
+def trickle(head: bytes, drip: bytes):
+    """A slow loris: `head`, then `drip` every 0.1 s (well inside any idle timeout), for LORIS_SECONDS."""
+    def reply(h):
+        h.send_response(200)
+        h.end_headers()
+        end = time.monotonic() + LORIS_SECONDS
+        try:
+            h.wfile.write(head)
+            while time.monotonic() < end:
+                h.wfile.write(drip)
+                time.sleep(0.1)
+        except OSError:
+            pass
+    return reply
+
+
+def answer(body: bytes, ctype: str = "application/json"):
+    return lambda h: h._reply(200, ctype, body)
+
+
+def events(*chunks) -> bytes:
+    """A streamed reply: each chunk as a `data:` event, then [DONE]."""
+    return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n"
+                    for c in (*chunks, b"[DONE]"))
+
+
+def _at_most_1_5_gib():
+    resource.setrlimit(resource.RLIMIT_AS, (3 << 29, 3 << 29))
+
+
+def per_pos(position: str, value: str, engine: str = "1") -> str:
+    return (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="{engine}",model_name="{MODEL}",'
+            f'position="{position}"}} {value}\n')
+
+
+DRAFTS = 'vllm:spec_decode_num_drafts_total{{engine="{}",model_name="toy"}} {}\n'
+
+
+@pytest.mark.parametrize("path, fake, says", [
+    # a position no drafter reaches: before, a 300M-entry tuple (3.1 GB)
+    ("/metrics", {"extra_metrics": per_pos("300000000", "1.0")}, 'position="300000000"}: a draft position past 255'),
+    # two counters whose sum is infinite (before: an OverflowError traceback), one below zero (before: rc 0)
+    ("/metrics", {"extra_metrics": DRAFTS.format(1, "1e308") + DRAFTS.format(2, "1e308")}, "is 1e+308, not a count"),
+    ("/metrics", {"extra_metrics": DRAFTS.format(1, "-5.0")}, "is -5.0, not a count"),
+    # an endless body (before: a MemoryError), a slow loris (before: read for as long as it dripped)
+    ("/metrics", {"routes": {"/metrics": endless(b"vllm:x 1\n", b"#" * 65536)}}, "answered more than 16777216 bytes"),
+    ("/metrics", {"routes": {"/metrics": trickle(b"vllm:x 1\n", b"#")}}, "not done within 1 s (--request-timeout)"),
+    ("/v1/models", {"routes": {"/v1/models": trickle(b'{"data": ', b" ")}}, "not done within 1 s (--request-timeout)"),
+    # JSON nested 100k deep (before: a RecursionError traceback), and of the wrong shape
+    ("/v1/models", {"routes": {"/v1/models": answer(DEEP)}}, "nested deeper than 500 levels"),
+    ("/v1/models", {"routes": {"/v1/models": answer(b'{"data": [{"id": 5}]}')}}, "lists no model"),
+])
+def test_a_hostile_server_is_one_line_before_any_request(path, fake, says, serve, sets, verifier, tmp_path):
+    fake = serve(**fake)
+    start = time.monotonic()
+    proc = run_cli(*bench_args(fake.url, verifier, tmp_path / "out", sets["humaneval"], request_timeout="1"),
+                   check=False, preexec_fn=_at_most_1_5_gib, timeout=60)
+    assert time.monotonic() - start < LORIS_SECONDS - 1
+    assert proc.returncode == 2
+    line = one_line(proc.stderr, "error:")
+    assert f"{fake.url}{path}" in line and says in line and "fix:" in line
+    assert not fake.posts and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("fake, says", [
+    # an endless line (before: a MemoryError) and a stream that never ends (before: as long as it dripped)
+    ({"routes": {"/v1/completions": endless(b"data: ", b"x" * 65536)}}, "a streamed line is longer than 131072"),
+    ({"routes": {"/v1/completions": trickle(b"", b"\n")}}, "not done within 1 s (--max-seconds)"),
+    # JSON nested 100k deep (before: RecursionError) and of the wrong shape (before: AttributeError)
+    ({"routes": {"/v1/completions": answer(events(DEEP))}}, "not JSON (nested deeper than 500 levels"),
+    ({"routes": {"/v1/completions": answer(events({"choices": [], "usage": [1, 2]}))}},
+     "a streamed chunk's usage is not"),
+    ({"routes": {"/v1/completions": answer(events({"choices": "abc"}))}}, "a streamed chunk's choices is not"),
+    ({"routes": {"/v1/completions": answer(events({"choices": [{"delta": "x"}]}))}},
+     "a streamed chunk's choices[].delta"),
+    # counts that are no counts (before: rc 0 with a negative or absurd tokens/s)
+    ({"completion_tokens": -5}, "usage.completion_tokens is -5, not a count"),
+    ({"completion_tokens": 1e308}, "usage.completion_tokens is 1e+308, not a count"),
+])
+def test_a_hostile_stream_fails_its_request_in_one_line(fake, says, serve, sets, verifier, tmp_path, monkeypatch):
+    monkeypatch.setattr(client, "MAX_LINE", 1 << 17)  # DEEP's line fits
+    fake = serve(**fake)
+    start = time.monotonic()
+    with pytest.raises(BenchError) as e:
+        bench(fake, verifier, tmp_path, [sets["humaneval"]], max_seconds=1, max_tokens=8)
+    assert time.monotonic() - start < LORIS_SECONDS - 1
+    assert "\n" not in str(e.value) and f"{fake.url}: a first short request failed ({says}" in str(e.value)
+    assert not (tmp_path / "bench.json").exists()
+
+
+def test_counters_that_go_backwards_are_a_restart_not_a_negative_count(serve, sets, verifier, tmp_path):
+    fake = serve(restart_after=2)  # the warm-up and the set's first prompt, then the server starts afresh
+    with pytest.raises(BenchError) as e:  # before: drafts -9 and a mean length below 1, rc 0
+        bench(fake, verifier, tmp_path, [sets["humaneval"]], max_tokens=8)
+    assert str(e.value) == (f"{fake.url}/metrics: vllm:spec_decode_num_drafts went back from 15 to 3 during set "
+                            "HumanEval: the server restarted mid-bench (fix: rerun the bench once the server stays up)")
+    assert not (tmp_path / "bench.json").exists()
+
+
+@pytest.mark.parametrize("endpoint, says", [
+    ("http://[::1", "--endpoint 'http://[::1' is not a URL (Invalid IPv6 URL)"),  # before: a ValueError traceback
+    ("http://user:secret@127.0.0.1:{port}/", "cannot reach http://user:***@127.0.0.1:{port}/v1/models"),
+])
+def test_a_bad_or_secret_endpoint_is_one_line_without_the_password(endpoint, says, sets, verifier, tmp_path):
+    port = free_port()
+    proc = run_cli(*bench_args(endpoint.format(port=port), verifier, tmp_path, sets["humaneval"]), check=False)
+    assert proc.returncode == 2
+    assert says.format(port=port) in one_line(proc.stderr, "error:") and "secret" not in proc.stderr
+
+
+def test_user_info_is_sent_as_credentials_and_never_shown(serve, sets, verifier, tmp_path):
+    fake = serve()
+    bench(fake, verifier, tmp_path, [sets["humaneval"]], max_tokens=8, endpoint=fake.url.replace("//", "//me:s3cret@"))
+    assert set(fake.auth) == {"Basic " + base64.b64encode(b"me:s3cret").decode()}
+    for name in ("bench.json", "bench.md"):
+        text = (tmp_path / name).read_text()
+        assert "s3cret" not in text and fake.url.replace("//", "//me:***@") in text
+
+
+def test_an_output_that_is_a_file_is_refused_before_any_request(serve, sets, verifier, tmp_path):
+    fake = serve()
+    kept = tmp_path / "results.txt"
+    kept.write_bytes(b"precious\n")
+    proc = run_cli(*bench_args(fake.url, verifier, kept, sets["humaneval"]), check=False)
+    assert proc.returncode == 2  # before: the whole bench ran, then a FileExistsError traceback
+    line = one_line(proc.stderr, "error:")
+    assert f"--output {kept}" in line and "not a folder" in line
+    assert kept.read_bytes() == b"precious\n" and not fake.auth  # not one request sent
+
+
+def test_prompts_nested_too_deep_are_one_line(serve, verifier, tmp_path):
+    fake = serve()
+    deep = tmp_path / "deep.jsonl"
+    deep.write_bytes(DEEP + b"\n")
+    proc = run_cli(*bench_args(fake.url, verifier, tmp_path / "out", deep), check=False)
+    assert proc.returncode == 2  # before: a RecursionError traceback
+    line = one_line(proc.stderr, "error:")
+    assert str(deep) in line and "nested deeper than 500 levels" in line
+    assert not fake.posts

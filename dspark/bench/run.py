@@ -25,6 +25,7 @@ from dspark.settings import check_settings, setting
 from dspark.errors import InputError
 
 WARMUP_TOKENS = 8  # one short request per server first: its one-time costs stay out of the figures
+REPORT_FILES = ("bench.json", "bench.md", "bench.png")  # what write_report puts in --output
 
 
 @dataclass
@@ -48,8 +49,10 @@ class BenchConfig:
     max_tokens: int = setting(128, "Tokens generated per request.", ge=1)
     temperature: float = setting(0.0, "0: greedy.", ge=0)
     ignore_eos: bool = setting(False, "Generate --max-tokens for every prompt (vLLM's ignore_eos).", negatable=False)
-    request_timeout: float = setting(300.0, "Seconds a request may wait for its next streamed chunk.", gt=0)
-    max_seconds: float = setting(1800.0, "Per set and server: no request starts after this many seconds.", gt=0)
+    request_timeout: float = setting(300.0, "Seconds a request may wait for its next streamed chunk (and a GET of "
+                                            "/v1/models or /metrics may take in all).", gt=0)
+    max_seconds: float = setting(1800.0, "Per set and server: no request starts after this many seconds, and none "
+                                         "takes longer.", gt=0)
     output: str = setting("cache/bench", "Folder for bench.json, bench.md and bench.png.")
 
     def __post_init__(self):
@@ -70,7 +73,7 @@ class Target:
 
 
 def _target(label: str, url: str, cfg: BenchConfig, flag: str) -> Target:
-    server = Server.at(url, cfg.request_timeout, flag)
+    server = Server.at(url, cfg.request_timeout, cfg.max_seconds, flag)
     models = server.models()
     if cfg.model and cfg.model not in [m["id"] for m in models]:
         raise BenchError(f"{server.base} does not serve {cfg.model!r} (it serves {', '.join(m['id'] for m in models)})",
@@ -78,8 +81,8 @@ def _target(label: str, url: str, cfg: BenchConfig, flag: str) -> Target:
     card = next(m for m in models if m["id"] == cfg.model) if cfg.model else models[0]
     reading = server.metrics()
     limit = card.get("max_model_len")
-    return Target(label, server, card["id"], limit if isinstance(limit, int) else None, reading.spec is not None,
-                  server.runtime())
+    known = isinstance(limit, int) and not isinstance(limit, bool) and limit > 0
+    return Target(label, server, card["id"], limit if known else None, reading.spec is not None, server.runtime())
 
 
 def _payload(cfg: BenchConfig, model: str, prompt, tokens: int) -> tuple[str, dict]:
@@ -137,7 +140,11 @@ def _send_set(cfg: BenchConfig, t: Target, set_name: str, prompts: list) -> dict
            "itl_ms": _percentiles([g for r in done for g in r.gaps]), "tpot_ms": _percentiles(tpot),
            "spec": None}
     if after is not None:
-        out["spec"] = (after - (before or type(after)())).summary()
+        try:
+            out["spec"] = (after - (before or type(after)())).summary()
+        except ValueError as e:
+            raise BenchError(f"{t.server.base}/metrics: {e} during set {set_name}: the server restarted mid-bench",
+                             "rerun the bench once the server stays up") from None
     return out
 
 
@@ -149,6 +156,18 @@ def _warm(cfg: BenchConfig, t: Target, prompt) -> None:
                          "check the server (its log), --model and --api, then rerun")
 
 
+def _output_folder(output: str) -> Path:
+    """--output, checked by the output rule before any request, so a bench never runs to its end to find it cannot
+    write: a folder, whose other files are left alone; bench's own files in it are replaced."""
+    from dspark.outputs import check_output
+
+    out = Path(output)
+    check_output("--output", out, folder=True)
+    for name in REPORT_FILES if out.is_dir() else ():  # a new folder is made only once there is a result
+        check_output("--output", out / name, folder=False)
+    return out
+
+
 def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict, Path]:
     from tqdm import tqdm
 
@@ -158,6 +177,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict
     from dspark.hub import local_model
     from dspark.prepare import load_tokenizer
 
+    out = _output_folder(cfg.output)
     targets = [_target("endpoint", cfg.endpoint, cfg, "--endpoint")]
     if cfg.compare_endpoint:
         targets.append(_target("compare", cfg.compare_endpoint, cfg, "--compare-endpoint"))
@@ -202,7 +222,8 @@ def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict
               "model": main.model, "tokenizer": str(tokenizer_path),
               "servers": [{"label": t.label, "url": t.server.base, "model": t.model, "speculative": t.speculative,
                            "max_model_len": t.max_model_len, **t.runtime} for t in targets],
-              "config": asdict(cfg), "datasets": datasets}
-    out = Path(cfg.output)
+              "config": {**asdict(cfg), "endpoint": targets[0].server.base,  # as shown: no password
+                         "compare_endpoint": targets[1].server.base if len(targets) > 1 else None},
+              "datasets": datasets}
     write_report(result, out, "bench", markdown, plot, f"dspark bench: {main.server.base}")
     return result, out
