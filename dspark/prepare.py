@@ -34,9 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark import jsonio
+from dspark import files as bounds, jsonio
 from dspark.errors import InputError
-from dspark.files import MAX_LINE_BYTES, DataReader, FileRefused, file_xxh3
+from dspark.files import DataReader, FileRefused, file_xxh3
 from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
 from dspark.outputs import check_output, output_lock, written_files
 from dspark.settings import setting
@@ -364,8 +364,8 @@ def _json_array(path: Path, f, data: ChatData):
                 raise malformed(e.msg, e.pos, f"in record {n + 1}") from None
             stop = None
         if stop is None or stop == len(buf):  # cut short, or a bare number that may go on: read more, decode again
-            if len(buf) - pos > MAX_LINE_BYTES:
-                raise InputError(f"{path}:{line_at(pos)}: record {n + 1} is over {MAX_LINE_BYTES} bytes "
+            if len(buf) - pos > bounds.MAX_LINE_BYTES:
+                raise InputError(f"{path}:{line_at(pos)}: record {n + 1} is over {bounds.MAX_LINE_BYTES} bytes "
                                  "(dspark.files.MAX_LINE_BYTES)", "split or delete that record")
             if more():
                 continue
