@@ -64,9 +64,11 @@ from typing import Literal
 
 from dspark.settings import check_settings, setting
 from dspark.errors import InputError
+from dspark.files import open_regular
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.outputs import check_output, writing
+from dspark.records import integer, mapping, optional, read_record
 from dspark.verifier import VerifierInfo
 from dspark.verifier_check import check_verifier_config
 
@@ -361,6 +363,12 @@ class Record:
         write_atomic(path, json.dumps(asdict(self), indent=1))
 
 
+# What a rerun reads back of the record (dspark.records): each count a non-negative integer.
+RECORD_SCHEMA = {"settings": mapping(), "done": integer(0), "bytes": integer(0),
+                 **{k: optional(integer(0)) for k in ("written", "truncated", "replies", "generated_tokens")},
+                 **{k: optional(mapping(values=integer(0))) for k in ("turns_ended", "dropped")}}
+
+
 def resume(output: Path, settings: dict) -> tuple[Record, bool]:
     """The committed state of OUTPUT (a fresh one for an empty file), OUTPUT cut to it; and whether it resumed."""
     path = sidecar(output, ".regenerate.json")
@@ -370,11 +378,9 @@ def resume(output: Path, settings: dict) -> tuple[Record, bool]:
     if not path.is_file():
         raise InputError(f"{output} exists but has no {path.name} beside it, so it was not written by "
                          "`dspark regenerate` (or its record was lost) and cannot be resumed", start_over)
-    try:
-        raw = json.loads(path.read_text())
-        record = Record(**{"replies": raw.get("written", 0), **raw})  # before --turns: one reply a conversation
-    except (OSError, ValueError, TypeError, AttributeError) as e:  # AttributeError: JSON that is no object
-        raise InputError(f"{path} is unreadable ({type(e).__name__}: {e})", start_over) from None
+    raw = read_record(path, RECORD_SCHEMA, start_over)
+    # before --turns a record had no `replies`: one reply a conversation
+    record = Record(**{"replies": raw.get("written", 0), **{k: raw[k] for k in RECORD_SCHEMA if k in raw}})
     differ = [f"{k} {record.settings.get(k)!r} -> {v!r}" for k, v in settings.items() if record.settings.get(k) != v]
     if differ:
         raise InputError(f"{output} was made from another model, data or settings ({'; '.join(differ)})",
@@ -383,10 +389,25 @@ def resume(output: Path, settings: dict) -> tuple[Record, bool]:
     if size < record.bytes:
         raise InputError(f"{output} holds {size} bytes but {record.bytes} were committed: it was cut or edited "
                          "after the run", start_over)
+    lines, whole = committed_lines(output, record.bytes)
+    if not whole or lines != record.written:  # not this file's record: cutting OUTPUT to it would lose lines
+        held = "ends mid-line" if not whole else f"holds {lines} lines, not the {record.written} written"
+        raise InputError(f"{path}: field bytes is {record.bytes}, but that much of {output} {held}: the record "
+                         "does not match the file", f"restore the record that belongs to {output.name}, or "
+                                                    f"{start_over}")
     if size > record.bytes:
         # A torn line or a batch whose commit never landed: the next run writes those prompts again.
         os.truncate(output, record.bytes)
     return record, True
+
+
+def committed_lines(output: Path, n: int, block: int = 8 << 20) -> tuple[int, bool]:
+    """The lines in the first `n` bytes of `output` (the part a record commits), and whether they end whole."""
+    count, last = 0, b"\n"
+    with open_regular(output) as f:
+        while n > 0 and (data := f.read(min(n, block))):
+            count, last, n = count + data.count(b"\n"), data[-1:], n - len(data)
+    return count, last == b"\n"
 
 
 # --- the run -----------------------------------------------------------------------------------

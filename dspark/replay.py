@@ -14,7 +14,9 @@ leaves the same ones out where the run did, and says so.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
+from pathlib import Path
 
 from dspark.errors import InputError, StoreMismatch
 from dspark.tracking.config import ALWAYS
@@ -63,8 +65,7 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
         raise StoreMismatch(f"store {cfg.store} is not the one run {run} trained on (content fingerprint "
                             f"{fp[:12]} != recorded {rec['store_fingerprint'][:12]})",
                             "replay against the original store (pass --store if it moved)")
-    n = len(list((rd.root / "replays").glob("*"))) if (rd.root / "replays").exists() else 0
-    out = rd.root / "replays" / f"{n:03d}"
+    out = new_replay_folder(rd.root)
     cfg = replace(cfg, save_path=str(out), max_steps=max(r["step"] for r in recorded),
                   tracking=replace(cfg.tracking, logger=logger))
     skipped = rec.get("skipped") or {}
@@ -80,6 +81,24 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
             "metrics_compared": sum(len(r["metrics"]) for r in recorded[: len(replayed)]),
             "reproduced": where is None, "first_divergence": where,
             **({"skipped": skipped} if skipped else {}), **({"note": note} if note else {})}
+
+
+def new_replay_folder(root: Path) -> Path:
+    """RUN/replays/NNN, created new: one past the highest number there, so a replay never resumes an earlier
+    one (a count of the folders did, once one was deleted); mkdir is exclusive, so two at once get two."""
+    folder = root / "replays"
+    try:
+        folder.mkdir(exist_ok=True)
+        taken = [int(p.name) for p in folder.iterdir() if re.fullmatch(r"[0-9]+", p.name)]
+    except (FileExistsError, NotADirectoryError):
+        raise InputError(f"{folder} is not a folder", f"move it aside: replays go into {folder}/NNN") from None
+    n = max(taken, default=-1) + 1
+    while True:
+        try:
+            (out := folder / f"{n:03d}").mkdir()
+            return out
+        except FileExistsError:
+            n += 1
 
 
 def _skips_note(rec: dict, recorded: list[dict]) -> str | None:

@@ -149,10 +149,22 @@ class MLflow(Backend):
     def log_results(self, values, step, images):
         self.log(values, step)
         for path in images:
-            self.client.log_artifact(self.run_id, str(path), f"eval/step-{step:06d}")
+            self._artifacts().log_artifact(str(path), f"eval/step-{step:06d}")
 
     def log_artifact(self, folder):
-        self.client.log_artifacts(self.run_id, str(folder), f"checkpoints/{folder.name}")
+        self._artifacts().log_artifacts(str(folder), f"checkpoints/{folder.name}")
+
+    def _artifacts(self):
+        """Where the run's artifacts go. A file store records its runs' artifact folders as absolute paths, so
+        in a copied or moved run folder they would land in the original's: the run's own store (RUN/mlruns)
+        keeps them beside its metrics, where MLflow's layout puts them."""
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+        from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
+
+        info, own = self.client.get_run(self.run_id).info, self.root / "mlruns"
+        if self.uri != own.as_uri():
+            return get_artifact_repository(info.artifact_uri)
+        return LocalArtifactRepository((own / info.experiment_id / self.run_id / "artifacts").as_uri())
 
     def close(self):
         self.client.set_terminated(self.run_id)

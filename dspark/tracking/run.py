@@ -13,7 +13,7 @@ training goes on, and metrics.jsonl keeps every metric.
 from __future__ import annotations
 
 import importlib.util
-import json
+import os
 import queue
 import re
 import sys
@@ -24,6 +24,7 @@ from pathlib import Path
 from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
+from dspark.records import mapping, optional, read_record, read_run_record, text
 from dspark.tracking.backends import BACKENDS, Backend
 from dspark.tracking.config import TrackingConfig
 
@@ -52,9 +53,87 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+# trackers.json, checked before a tracker reopens a run from it. Places inside the run folder (a tracker's
+# `IN_RUN` key) are recorded relative to it, so a copied or moved run logs into its own files, never the
+# original's; MLflow's `store` is its file store in the run, `tracking_uri` any other.
+IN_RUN = {"tensorboard": "log_dir", "wandb": "dir", "mlflow": "store"}
+OLD_PLACE = {"tensorboard": "tensorboard", "wandb": ".", "mlflow": "mlruns"}  # where older dspark put them
+IDENTITY_SCHEMA = {
+    "tensorboard": optional(mapping({"log_dir": text()})),
+    "mlflow": optional(mapping({"run_id": text(), "name": optional(text()), "store": optional(text()),
+                                "tracking_uri": optional(text())})),
+    "wandb": optional(mapping({"id": text(), "project": text(), "dir": text(), "name": optional(text())})),
+    "trackio": optional(mapping({"project": text(), "name": text()}))}
+IDENTITY_FIX = ("restore it from a copy of the run, or delete it: the next `dspark train` opens new tracker runs "
+                "and sends them the whole history from metrics.jsonl")
+
+
+def _stored(root: Path) -> dict[str, dict]:
+    """trackers.json as written, checked ({}: the run logged to no tracker)."""
+    path = root / IDENTITY
+    if not path.exists() and not path.is_symlink():
+        return {}
+    ids = read_record(path, IDENTITY_SCHEMA, IDENTITY_FIX)
+    if "mlflow" in ids and not {"store", "tracking_uri"} & set(ids["mlflow"]):
+        raise InputError(f"{path}: field mlflow.tracking_uri is missing, expected a string", IDENTITY_FIX)
+    return ids
+
+
 def read_identity(root: Path) -> dict[str, dict]:
-    path = Path(root) / IDENTITY
-    return json.loads(path.read_text()) if path.exists() else {}
+    """Each tracker's run as its backend reopens it: places in the run folder made paths in this one."""
+    root = Path(root).resolve()
+    ids = _stored(root)
+    for name, key in IN_RUN.items():
+        if name in ids and key in ids[name]:
+            ids[name] = {**ids[name], key: _in_run(name, ids[name][key], root)}
+    if "store" in ids.get("mlflow", {}):
+        ids["mlflow"]["tracking_uri"] = Path(ids["mlflow"].pop("store")).as_uri()
+    elif "mlflow" in ids and _was_runs_own_store(root, ids["mlflow"]["tracking_uri"]):
+        ids["mlflow"]["tracking_uri"] = (root / "mlruns").as_uri()
+    return ids
+
+
+def _in_run(name: str, recorded: str, root: Path) -> str:
+    """A place a tracker keeps in the run folder, as a path in this one. Older dspark recorded it absolute,
+    always at one place of the run it was written from (`OLD_PLACE`): in a copy, that place in this run."""
+    path = Path(recorded)
+    if path.is_absolute() and not path.is_relative_to(root):
+        return str(root / OLD_PLACE[name])
+    if not (root / path).resolve().is_relative_to(root):
+        raise InputError(f"{root / IDENTITY}: field {name}.{IN_RUN[name]} is {recorded!r}, which leads out of the "
+                         "run folder, expected a path inside it", IDENTITY_FIX)
+    return str(root / path)
+
+
+def _file_path(uri: str) -> Path | None:
+    """The folder a `file:` URI names (None: another kind of URI)."""
+    from urllib.parse import unquote, urlparse
+
+    parts = urlparse(uri)
+    return Path(unquote(parts.path)) if parts.scheme == "file" else None
+
+
+def _was_runs_own_store(root: Path, uri: str) -> bool:
+    """Whether an older dspark's absolute MLflow URI is the default store of the run it was written from
+    (RUN/mlruns, no --tracking-uri recorded): then this run's own store is meant."""
+    path = _file_path(uri)
+    if path is None or path.is_relative_to(root) or path.name != OLD_PLACE["mlflow"]:
+        return False
+    rec = read_run_record(root)
+    return rec is not None and rec["train"].get("tracking", {}).get("tracking_uri") is None
+
+
+def _relative(name: str, identity: dict, root: Path) -> dict:
+    """An identity as trackers.json records it: places inside the run folder relative to it."""
+    identity, key = dict(identity), IN_RUN.get(name)
+    if name == "mlflow":  # its own file store is recorded as `store`; any other store as its URI
+        path = _file_path(identity["tracking_uri"])
+        if path is not None and path.is_relative_to(root):
+            identity.pop("tracking_uri")
+            identity[key] = str(path)
+    if key in identity and Path(identity[key]).is_relative_to(root):
+        identity[key] = os.path.relpath(identity[key], root)
+    return identity
 
 
 def installed(name: str) -> bool:
@@ -103,6 +182,13 @@ class Tracking:
         names = cfg.trackers()
         require_installed(names)
         ids = read_identity(Path(root))
+        recorded = ids.get("mlflow", {}).get("tracking_uri")
+        if "mlflow" in names and cfg.tracking_uri and recorded and cfg.tracking_uri != recorded:
+            # the run's MLflow run lives in the store it started in: a new store gets a new run, sent everything
+            print(f"note: --tracking-uri {cfg.tracking_uri} is not the MLflow store this run logged to ({recorded}): "
+                  "a new MLflow run there gets the whole history from metrics.jsonl, and trackers.json now names it",
+                  file=sys.stderr, flush=True)
+            del ids["mlflow"]
         return cls(root, [BACKENDS[n](Path(root), cfg, ids.get(n)) for n in names], params, tags, history,
                    f"training goes on, and {Path(root) / 'metrics.jsonl'} keeps every metric")
 
@@ -141,7 +227,9 @@ class Tracking:
     def remember(self, name: str, identity: dict) -> None:
         """Record a tracker's run in trackers.json, for a resume and for eval."""
         with self._lock:
-            write_atomic(self.root / IDENTITY, dump_json({**read_identity(self.root), name: identity}, indent=2))
+            root = self.root.resolve()
+            write_atomic(root / IDENTITY, dump_json({**_stored(root), name: _relative(name, identity, root)},
+                                                   indent=2))
 
     def _put(self, item) -> None:
         for f in self.feeds:

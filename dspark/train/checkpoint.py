@@ -46,6 +46,7 @@ from dspark.files import FileRefused, file_xxh3, read_bounded
 from dspark.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
 from dspark.jsonio import dump_json
 from dspark.outputs import Lock
+from dspark.records import read_run_record
 
 
 def rng_state() -> dict:
@@ -264,7 +265,8 @@ class RunDir:
         return newest, notes
 
     def record(self) -> dict | None:
-        return json.loads(self.config_path.read_text()) if self.config_path.exists() else None
+        """config.json, checked against its schema (None: no run was started here yet)."""
+        return read_run_record(self.root)
 
     def write_record(self, record: dict) -> None:
         self.root.mkdir(parents=True, exist_ok=True)

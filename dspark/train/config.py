@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -169,11 +168,13 @@ class TrainConfig:
 
     @classmethod
     def load(cls, run: Path) -> TrainConfig:
-        path = Path(run) / "config.json"
-        if not path.exists():
+        from dspark.records import read_run_record
+
+        rec = read_run_record(Path(run))
+        if rec is None:
             raise InputError(f"{run} is not a dspark run folder (no config.json)",
                              "pass the --save-path of a `dspark train` run")
-        return cls.from_dict(json.loads(path.read_text())["train"], f"{path} (train)")
+        return cls.from_dict(rec["train"], f"{Path(run) / 'config.json'} (train)")
 
     def differences(self, other: TrainConfig) -> list[str]:
         """The settings, other than result-neutral ones, in which `other` differs."""

@@ -8,8 +8,10 @@ from pathlib import Path
 import torch
 
 from dspark.errors import CheckpointError, InputError
+from dspark.files import FileRefused, read_bounded
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
+from dspark.records import LOG_LIMIT, RUN_FIX, check_metric_record
 
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:
@@ -54,7 +56,8 @@ class MetricLog:
         """
         records, torn = self._parse(drop_torn_tail=True)
         keep = [r for r in records if r["step"] <= step]
-        write_atomic(self.path, "".join(dump_json(r) + "\n" for r in keep))
+        if torn or len(keep) < len(records) or not self.path.exists():  # else it holds just that: left as it is
+            write_atomic(self.path, "".join(dump_json(r) + "\n" for r in keep))
         return torn
 
     def write(self, record: dict) -> None:
@@ -73,15 +76,19 @@ class MetricLog:
     def _parse(self, drop_torn_tail: bool) -> tuple[list[dict], bool]:
         if not self.path.exists():
             return [], False
-        text = self.path.read_text()
+        try:
+            text = read_bounded(self.path, LOG_LIMIT).decode()
+        except (FileRefused, UnicodeDecodeError) as e:
+            raise InputError(f"{self.path} {e if isinstance(e, FileRefused) else 'is not UTF-8 text'}",
+                             RUN_FIX) from None
         lines = text.splitlines()
         records = []
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                records.append(check_metric_record(json.loads(line), self.path, n))
+            except (json.JSONDecodeError, RecursionError):
                 if drop_torn_tail and n == len(lines) and not text.endswith("\n"):
                     return records, True
                 raise InputError(f"{self.path} line {n} is not a whole JSON record (damaged or half-written)",
