@@ -79,9 +79,10 @@ def optional(f: Field, null: bool = False) -> Field:
 
 
 def settings_schema(cls) -> dict:
-    """The schema of a settings dataclass from its hints and bounds: what its command accepts."""
+    """The schema of a settings dataclass from its hints and bounds: what its command accepts. Each may be
+    left out: a record of an older dspark lacks the settings added since, which take their defaults."""
     hints = typing.get_type_hints(cls)
-    return {f.name: _from_hint(hints[f.name], f.metadata) for f in fields(cls)}
+    return {f.name: optional(_from_hint(hints[f.name], f.metadata)) for f in fields(cls)}
 
 
 def _from_hint(hint, meta) -> Field:

@@ -72,6 +72,16 @@ def test_a_tampered_run_folder_is_one_line_naming_the_file_and_field(reference_r
     assert files(run) == before  # nothing of the run was touched
 
 
+def test_a_record_of_an_older_dspark_without_the_settings_added_since_still_reads(reference_run, tmp_path):
+    from dspark.train.config import TrainConfig
+
+    c, _ = reference_run
+    run = tmp_path / "run"
+    shutil.copytree(c.save_path, run, symlinks=True)
+    edit_json(run / "config.json", lambda d: [d["train"].pop(k) for k in ("autocast", "muon_ns_dtype", "live")])
+    assert TrainConfig.load(run).autocast == TrainConfig.load(c.save_path).autocast
+
+
 @pytest.mark.parametrize("command", ["replay", "eval", "train"])
 def test_the_cli_says_a_tampered_record_in_one_line(reference_run, store, prepared, verifier, tmp_path, command):
     c, _ = reference_run
@@ -188,9 +198,15 @@ def test_a_regenerate_record_that_does_not_match_is_refused_and_cuts_nothing(reg
     value = {"mid-line": len(text) - 3, "first line": text.index(b"\n") + 1}.get(value, value)
     edit_json(Path(f"{out}.regenerate.json"), lambda d: d.update({field: value}))
     record = Path(f"{out}.regenerate.json").read_bytes()
-    proc = run_cli("regenerate", "--model", cfg.model, "--data", cfg.data, "--output", out, "--max-new-tokens", "4",
-                   "--max-prompts", "3", "--dtype", "float32", "--no-progress", check=False)
-    assert proc.returncode == 2
-    [line] = proc.stderr.strip().splitlines()
-    assert line.startswith(f"error: {out}.regenerate.json: " + said.format(n=value, out=out)) and "(fix: " in line
+    said = f"{out}.regenerate.json: " + said.format(n=value, out=out)
+    if field == "bytes" and value == len(text) - 3:  # the case, end to end: it was rc 0, "nothing to do"
+        proc = run_cli("regenerate", "--model", cfg.model, "--data", cfg.data, "--output", out, "--max-new-tokens",
+                       "4", "--max-prompts", "3", "--dtype", "float32", "--no-progress", check=False)
+        assert proc.returncode == 2
+        [line] = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: {said}") and "(fix: " in line
+    else:
+        with pytest.raises(InputError) as err:
+            regenerate(replace(cfg, output=str(out)), progress=False)
+        assert str(err.value).startswith(said) and "(fix: " in str(err.value)
     assert out.read_bytes() == text and Path(f"{out}.regenerate.json").read_bytes() == record

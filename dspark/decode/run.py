@@ -77,13 +77,14 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.eval.teacher_forced import load_checkpoint
     from dspark.eval.report import write_report
     from dspark.prepare import load_tokenizer
-    from dspark.tracking.run import log_results
+    from dspark.tracking.run import log_results, results_trackers
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
 
     cfg.validate()
     ckpt = require_checkpoint(cfg.checkpoint)
     run_root = ckpt.parent.parent
+    results_trackers(ckpt)  # they get the results: a damaged trackers.json is one line now, not after decoding
     run = TrainConfig.load(run_root) if (run_root / "config.json").exists() else None
     verifier_path = cfg.verifier or (run.verifier_name_or_path if run else None)
     specs = cfg.prompts or ([f"train-data={run.data_path}"] if run else [])

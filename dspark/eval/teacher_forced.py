@@ -27,7 +27,7 @@ import numpy as np
 
 from dspark.errors import InputError
 from dspark.eval.report import EVAL_DIR, save_figure, write_report
-from dspark.tracking.run import log_results, read_identity
+from dspark.tracking.run import log_results, results_trackers
 
 if TYPE_CHECKING:  # torch loads inside the functions: `dspark eval`'s settings import this module's constants
     import torch
@@ -301,7 +301,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     ckpt = require_checkpoint(checkpoint)
     dev = pick_device(device, 0)
     run_root = ckpt.parent.parent
-    read_identity(run_root)  # its trackers get the results: a damaged trackers.json is one line now, not at the end
+    results_trackers(ckpt)  # they get the results: a damaged trackers.json is one line now, not after the scoring
     if (run_root / "config.json").exists():
         cfg = TrainConfig.load(run_root)
     elif data_path is None:

@@ -147,10 +147,15 @@ def require_installed(names: list[str]) -> None:
                              f"pip install 'dspark[{name}]' (or drop {name} from --logger)")
 
 
+def results_trackers(ckpt: Path) -> dict[str, dict]:
+    """The trackers (checked) that get eval results of checkpoint `ckpt`: its run's; none for a bare checkpoint."""
+    return read_identity(ckpt.parent.parent) if re.fullmatch(r"step-\d+", ckpt.name) else {}
+
+
 def log_results(ckpt: Path, values: dict[str, float], images: list[Path]) -> None:
     """Eval results of a checkpoint into the trackers of its run, at the checkpoint's step (none: nothing)."""
     root, step = ckpt.parent.parent, re.fullmatch(r"step-(\d+)", ckpt.name)
-    if step is None or not read_identity(root):  # a bare checkpoint, or a run that logged to no tracker
+    if not results_trackers(ckpt):  # a bare checkpoint, or a run that logged to no tracker
         return
     tracking = Tracking.for_results(root)
     tracking.results(int(step[1]), values, [p for p in images if p.exists()])
