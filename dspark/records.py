@@ -19,8 +19,9 @@ import json
 import typing
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
+from dspark import settings
 from dspark.errors import InputError
 from dspark.files import FileRefused, read_bounded
 
@@ -52,10 +53,6 @@ def text() -> Field:
     return Field("a string", lambda v: isinstance(v, str))
 
 
-def flag() -> Field:
-    return Field("true or false", lambda v: isinstance(v, bool))
-
-
 def one_of(*choices) -> Field:
     return Field(f"one of {list(choices)}", lambda v: any(v == c and type(v) is type(c) for c in choices))
 
@@ -79,29 +76,21 @@ def optional(f: Field, null: bool = False) -> Field:
 
 
 def settings_schema(cls) -> dict:
-    """The schema of a settings dataclass from its hints and bounds: what its command accepts. Each may be
-    left out: a record of an older dspark lacks the settings added since, which take their defaults."""
+    """The schema of a settings dataclass: each setting typed as `dspark.settings` types a config file's value
+    (strictly: a record holds numbers as numbers) and within its bounds. Each may be left out: a record of an
+    older dspark lacks the settings added since, which take their defaults."""
     hints = typing.get_type_hints(cls)
-    return {f.name: optional(_from_hint(hints[f.name], f.metadata)) for f in fields(cls)}
+    return {f.name: optional(_setting(hints[f.name], f.metadata)) for f in fields(cls)}
 
 
-def _from_hint(hint, meta) -> Field:
-    args = typing.get_args(hint)
-    if type(None) in args:  # X | None
-        rest = [a for a in args if a is not type(None)]
-        return optional(_from_hint(rest[0], meta), null=True) if len(rest) == 1 else Field("any", lambda v: True)
+def _setting(hint, meta) -> Field:
     if is_dataclass(hint):
         return mapping(settings_schema(hint))
-    if typing.get_origin(hint) is Literal:
-        return one_of(*args)
-    if typing.get_origin(hint) is list:
-        return list_of(_from_hint(args[0], {}))
-    ge, gt = meta.get("ge"), meta.get("gt")
-    if hint is int:
-        return integer(ge if gt is None else int(gt) + 1)
-    if hint is float:
-        return number(ge, gt)
-    return {bool: flag(), str: text()}.get(hint, Field("any", lambda v: True))
+    bounds = " and".join(f" {word} {meta[key]}" for key, word in (("ge", ">="), ("gt", ">"), ("le", "<="))
+                         if meta.get(key) is not None)
+    return Field(settings.expected(hint) + bounds,
+                 lambda v: settings.typed(hint, v, strict=True) is not settings.NOT
+                 and not settings.broken_bound(meta, v if isinstance(v, (int, float)) else None))
 
 
 def shown(v) -> str:

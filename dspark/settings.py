@@ -129,17 +129,20 @@ def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
         check_finite(flags[0], value, default, f.metadata.get("allow_inf", False))
         if f.metadata.get("distinct") and value is not None:
             check_distinct(flags[0], value)
-        ge, gt, le = f.metadata.get("ge"), f.metadata.get("gt"), f.metadata.get("le")
-        if value is None:
-            continue
-        if (ge is not None and value < ge) or (gt is not None and value <= gt):
-            bound = f">= {ge}" if ge is not None else f"> {gt}"
-        elif le is not None and value > le:
-            bound = f"<= {le}"
-        else:
-            continue
-        shown = "" if default is None else f" (default {default})"
-        raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
+        bound = broken_bound(f.metadata, value)
+        if bound:
+            shown = "" if default is None else f" (default {default})"
+            raise InputError(f"{flags[0]} {value} must be {bound}", f"pass a value {bound}{shown}")
+
+
+def broken_bound(meta: dict, value) -> str | None:
+    """The `ge`/`gt`/`le` bound of a setting that `value` breaks, as "<= 1000", or None."""
+    ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
+    if value is None:
+        return None
+    if (ge is not None and value < ge) or (gt is not None and value <= gt):
+        return f">= {ge}" if ge is not None else f"> {gt}"
+    return f"<= {le}" if le is not None and value > le else None
 
 
 def check_distinct(flag: str, items: list) -> None:
@@ -329,55 +332,56 @@ def _flatten(node: dict, cls, path: Path, prefix: tuple[str, ...] = (), label: t
     return flat
 
 
-_NOT = object()  # `_typed`'s "not of this type" (None is a value)
+NOT = object()  # `typed`'s "not of this type" (None is a value)
 _NOUNS = {int: "integer", float: "number", str: "string", bool: "true/false value"}
 
 
-def _typed(hint, value):
-    """`value` as a setting of type `hint` takes it from a file, or `_NOT`.
+def typed(hint, value, strict: bool = False):
+    """`value` as a setting of type `hint` takes it from a file, or `NOT`.
 
     The file's own type must be the setting's (YAML `true` is no port, and to Python a bool is an int),
     an int serving for a float; a string for a number is read as its flag reads the word (YAML 1.1 reads
-    `1e-3` as a string). A list setting takes a list, whose items are typed the same way.
+    `1e-3` as a string), unless `strict` (a record dspark wrote itself holds numbers as numbers). A list
+    setting takes a list, whose items are typed the same way.
     """
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return next((out for out in (_typed(arm, value) for arm in args) if out is not _NOT), _NOT)
+        return next((out for out in (typed(arm, value, strict) for arm in args) if out is not NOT), NOT)
     if hint is type(None):
-        return None if value is None else _NOT
+        return None if value is None else NOT
     if value is None:
-        return _NOT
+        return NOT
     if isinstance(value, bool):
-        return value if hint is bool else _NOT
-    if hint in (int, float) and isinstance(value, str):
+        return value if hint is bool else NOT
+    if hint in (int, float) and isinstance(value, str) and not strict:
         try:
             return hint(value)
         except ValueError:
-            return _NOT
+            return NOT
     if hint is float and isinstance(value, int):
         try:
             return float(value)
         except OverflowError:  # an int past a float's range: check_finite names it
             return math.copysign(math.inf, value)
     if origin is Literal:
-        return value if any(value == c and type(value) is type(c) for c in args) else _NOT
+        return value if any(value == c and type(value) is type(c) for c in args) else NOT
     if origin is list:
-        items = [_typed(args[0], x) for x in value] if isinstance(value, list) else [_NOT]
-        return _NOT if any(x is _NOT for x in items) else items
+        items = [typed(args[0], x, strict) for x in value] if isinstance(value, list) else [NOT]
+        return NOT if any(x is NOT for x in items) else items
     if origin is dict:
-        ok = isinstance(value, dict) and all(_typed(args[0], k) is k and _typed(args[1], v) is v
+        ok = isinstance(value, dict) and all(typed(args[0], k, strict) is k and typed(args[1], v, strict) is v
                                              for k, v in value.items())
-        return value if ok else _NOT
+        return value if ok else NOT
     if hint in (bool, int, float, str, dict, list):
-        return value if isinstance(value, hint) else _NOT
+        return value if isinstance(value, hint) else NOT
     return value  # a type with no file form to check
 
 
-def _expected(hint) -> str:
+def expected(hint) -> str:
     """What a file must give for a setting of type `hint`, as an error line says it."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
-        return " or ".join(_expected(arm) for arm in args)
+        return " or ".join(expected(arm) for arm in args)
     if origin is Literal:
         return f"one of {list(args)}"
     if origin is list:
@@ -391,24 +395,24 @@ def _expected(hint) -> str:
 def file_value(leaf: Leaf, value, path: Path, label: str):
     """`value` of setting `leaf` from config file `path` (at `label`, e.g. `launch-vllm.port`), typed as its
     flag takes it; anything else is one line naming the file, the key, the value and the type expected."""
-    out = _typed(leaf.hint, value)
-    number = value if out is _NOT else out
+    out = typed(leaf.hint, value)
+    number = value if out is NOT else out
     if isinstance(number, float) and base_type(leaf.hint) in (int, float):  # NaN/inf: the flag's own line
         check_finite(leaf.flags[0], number, None if leaf.default is MISSING else leaf.default,
                      leaf.meta.get("allow_inf", False))
-    if out is not _NOT:
+    if out is not NOT:
         return out
     shown = json.dumps(value, default=str)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
-    expected = _expected(leaf.hint)
+    wanted = expected(leaf.hint)
     example = None if leaf.default in (MISSING, None) else json.dumps(leaf.default)
-    fix = f"write {expected}" + (f", e.g. `{leaf.path[-1]}: {example}` (its default)" if example else "")
+    fix = f"write {wanted}" + (f", e.g. `{leaf.path[-1]}: {example}` (its default)" if example else "")
     if isinstance(value, str) and typing.get_origin(base_type(leaf.hint)) is list:
         try:  # a string is not split: one word with a space in it would become two
             fix = f"write a YAML list: `{leaf.path[-1]}: {json.dumps(shlex.split(value))}`"
         except ValueError:
             fix = "write a YAML list, one item each"
-    raise InputError(f"config file {path}: {label} is {shown}, expected {expected}", fix)
+    raise InputError(f"config file {path}: {label} is {shown}, expected {wanted}", fix)
 
 
 def _groups(cls, prefix: tuple[str, ...] = ()):
