@@ -40,7 +40,8 @@ TAMPERS = {
                              "config.json: field store_fingerprint is missing, expected a string",
                              ("replay", "eval", "resume")),
     "epochs_x": (lambda r: edit_json(r / "config.json", lambda d: d["train"].update(epochs="x")),
-                 'config.json: field train.epochs is "x", expected an integer >= 1 and <= 1000', ("replay", "eval", "resume")),
+                 'config.json: field train.epochs is "x", expected an integer >= 1 and <= 1000',
+                 ("replay", "eval", "resume")),
     "metrics_line_a_list": (lambda r: (r / "metrics.jsonl").write_text("[1, 2]\n"),
                             "metrics.jsonl line 1: the record is [1, 2], expected an object", ("replay", "resume")),
     "replays_a_file": (lambda r: (r / "replays").write_text("x"), "replays is not a folder", ("replay",)),
@@ -95,8 +96,8 @@ def test_the_cli_says_a_tampered_record_in_one_line(reference_run, store, prepar
     proc = run_cli(*argv, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f'error: {run}/config.json: field train.epochs is "x", expected an integer >= 1 and <= 1000 (fix: restore the file from '
-        "a copy of the run, or train into a new --save-path)"]
+        f'error: {run}/config.json: field train.epochs is "x", expected an integer >= 1 and <= 1000 '
+        "(fix: restore the file from a copy of the run, or train into a new --save-path)"]
 
 
 def test_a_replay_after_an_earlier_one_was_deleted_replays_afresh(reference_run, tmp_path):
