@@ -140,24 +140,6 @@ def read_record(path: Path, schema: dict, fix: str):
 RUN_FIX = "restore the file from a copy of the run, or train into a new --save-path"
 
 
-def run_schema() -> dict:
-    """RUN/config.json, as `Trainer._record` writes it; `train` is held to what `dspark train` accepts."""
-    from dspark.train.config import TrainConfig
-
-    return {"train": mapping(settings_schema(TrainConfig)), "store_fingerprint": text(),
-            "prepared_fingerprint": text(), "seed": integer(), "world_size": integer(1), "device": text(),
-            "versions": mapping(values=text()),
-            "skipped": optional(mapping(values=list_of(integer(0))))}  # pass -> sample ids a live run skipped
-
-
-def read_run_record(root: Path) -> dict | None:
-    """RUN/config.json checked (None: there is none, the folder is no run yet)."""
-    path = Path(root) / "config.json"
-    if not path.exists() and not path.is_symlink():
-        return None
-    return read_record(path, run_schema(), RUN_FIX)
-
-
 METRIC_RECORD = {"step": integer(0), "epoch": integer(0), "split": one_of("train", "val"),
                  "metrics": mapping(values=number(null=True)),  # null: a value that was not finite
                  "timing": optional(mapping(values=number(null=True))),

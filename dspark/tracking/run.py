@@ -24,7 +24,8 @@ from pathlib import Path
 from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
-from dspark.records import mapping, optional, read_record, read_run_record, text
+from dspark.records import mapping, optional, read_record, text
+from dspark.train.config import read_run_record
 from dspark.tracking.backends import BACKENDS, Backend
 from dspark.tracking.config import TrackingConfig
 

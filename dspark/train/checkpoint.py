@@ -46,7 +46,7 @@ from dspark.files import FileRefused, file_xxh3, read_bounded
 from dspark.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
 from dspark.jsonio import dump_json
 from dspark.outputs import Lock
-from dspark.records import read_run_record
+from dspark.train.config import read_run_record
 
 
 def rng_state() -> dict:

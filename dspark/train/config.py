@@ -9,6 +9,7 @@ from typing import Literal
 from dspark.connector.config import LiveConfig
 from dspark.settings import build, check_settings, setting
 from dspark.errors import InputError
+from dspark.records import RUN_FIX, integer, list_of, mapping, optional, read_record, settings_schema, text
 from dspark.tracking.config import TrackingConfig
 
 # Settings only some drafter kinds read (the others ignore them, and a model card leaves them out).
@@ -168,8 +169,6 @@ class TrainConfig:
 
     @classmethod
     def load(cls, run: Path) -> TrainConfig:
-        from dspark.records import read_run_record
-
         rec = read_run_record(Path(run))
         if rec is None:
             raise InputError(f"{run} is not a dspark run folder (no config.json)",
@@ -195,3 +194,19 @@ class ReplayConfig:
     tolerance: float = setting(0.0, "Relative/absolute (GPU runs).", ge=0)
     logger: str = setting("jsonl", "Trackers the replay logs to, as `train --logger` (default: none, only its "
                                    "metrics.jsonl).")
+
+
+def run_schema() -> dict:
+    """RUN/config.json, as `Trainer._record` writes it; `train` is held to what `dspark train` accepts."""
+    return {"train": mapping(settings_schema(TrainConfig)), "store_fingerprint": text(),
+            "prepared_fingerprint": text(), "seed": integer(), "world_size": integer(1), "device": text(),
+            "versions": mapping(values=text()),
+            "skipped": optional(mapping(values=list_of(integer(0))))}  # pass -> sample ids a live run skipped
+
+
+def read_run_record(root: Path) -> dict | None:
+    """RUN/config.json checked (None: there is none, the folder is no run yet)."""
+    path = Path(root) / "config.json"
+    if not path.exists() and not path.is_symlink():
+        return None
+    return read_record(path, run_schema(), RUN_FIX)
