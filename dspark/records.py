@@ -9,8 +9,8 @@ integer >= 1"), never a traceback deep in the command that used the value. Field
 name are left alone: a newer dspark may add some.
 
 A schema is a dict of field name -> `Field`; a dataclass of settings gives its own (`settings_schema`:
-its type hints, `ge`/`gt` bounds and choices), so a run's recorded `train` section is held to what
-`dspark train` accepts. Dependency-free but for `dspark.settings`: any layer may use it.
+each setting typed and bounded by `dspark.settings`' own rule), so a run's recorded `train` section is
+held to what `dspark train` accepts. Dependency-free but for `dspark.settings`: any layer may use it.
 """
 
 from __future__ import annotations
