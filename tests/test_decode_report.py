@@ -77,9 +77,9 @@ def test_result_files_are_strict_json_with_an_undefined_value_as_null(tmp_path):
     assert _strict((tmp_path / "decode.json").read_text()) == {"speedup": None, "rates": [1.0, None]}
 
     log = MetricLog(tmp_path / "metrics.jsonl")
-    log.write({"step": 1, "split": "train", "metrics": {"loss": math.nan, "tau": 1.5}})
+    log.write({"step": 1, "epoch": 0, "split": "train", "metrics": {"loss": math.nan, "tau": 1.5}})
     assert [_strict(line) for line in log.path.read_text().splitlines()] == [
-        {"step": 1, "split": "train", "metrics": {"loss": None, "tau": 1.5}}]
+        {"step": 1, "epoch": 0, "split": "train", "metrics": {"loss": None, "tau": 1.5}}]
     log.truncate_after(1)
     assert _strict(log.path.read_text())["metrics"]["loss"] is None
 
