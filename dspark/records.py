@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dspark import settings
+from dspark import jsonio, settings
 from dspark.errors import InputError
 from dspark.files import FileRefused, read_bounded
 
@@ -125,8 +125,8 @@ def load_json(path: Path, fix: str, limit: int = RECORD_LIMIT):
     except OSError as e:
         raise InputError(f"{path} cannot be read ({e.strerror or e})", fix) from None
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        return jsonio.loads(raw)
+    except ValueError as e:  # JSONTooDeep and UnicodeDecodeError are ValueErrors
         raise InputError(f"{path} is not JSON ({str(e).splitlines()[0][:200]})", fix) from None
 
 

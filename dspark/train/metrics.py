@@ -10,6 +10,7 @@ import torch
 from dspark.errors import CheckpointError, InputError
 from dspark.files import FileRefused, read_bounded
 from dspark.fsio import write_atomic
+from dspark import jsonio
 from dspark.jsonio import dump_json
 from dspark.records import LOG_LIMIT, RUN_FIX, check_metric_record
 
@@ -87,8 +88,8 @@ class MetricLog:
             if not line.strip():
                 continue
             try:
-                records.append(check_metric_record(json.loads(line), self.path, n))
-            except (json.JSONDecodeError, RecursionError):
+                records.append(check_metric_record(jsonio.loads(line), self.path, n))
+            except json.JSONDecodeError:  # JSONTooDeep too
                 if drop_torn_tail and n == len(lines) and not text.endswith("\n"):
                     return records, True
                 raise InputError(f"{self.path} line {n} is not a whole JSON record (damaged or half-written)",
