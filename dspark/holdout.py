@@ -27,6 +27,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark import jsonio
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_json
 from dspark.files import FileRefused, file_xxh3, read_bounded
@@ -189,7 +190,7 @@ def _summary_path(train_out: Path) -> Path:
 def _record(summary: Path) -> dict | None:
     """The record of the files an earlier holdout wrote, from its summary: {role: {"file", "xxh3_128"}}."""
     try:
-        outputs = json.loads(read_bounded(summary, SUMMARY_BYTES)).get("outputs")
+        outputs = jsonio.loads(read_bounded(summary, SUMMARY_BYTES)).get("outputs")
     except (OSError, ValueError, AttributeError, FileRefused):  # AttributeError: JSON that is no object
         return None
     return outputs if isinstance(outputs, dict) else None
