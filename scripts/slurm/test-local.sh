@@ -90,7 +90,8 @@ import os
 from mlflow import MlflowClient
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
-ids = json.loads((run / "trackers.json").read_text())
+from dspark.tracking.run import read_identity  # trackers.json's places, as a resume reopens them
+ids = read_identity(run)
 history = MlflowClient(ids["mlflow"]["tracking_uri"]).get_metric_history(ids["mlflow"]["run_id"], "train/loss")
 assert sorted(m.step for m in history) == steps, [m.step for m in history]
 tb = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
