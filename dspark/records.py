@@ -42,11 +42,9 @@ def integer(ge: int | None = None) -> Field:
                  lambda v: type(v) is int and (ge is None or v >= ge))
 
 
-def number(ge: float | None = None, gt: float | None = None, null: bool = False) -> Field:
-    bound = f" >= {ge}" if ge is not None else f" > {gt}" if gt is not None else ""
-    return Field("a number" + bound + (" or null" if null else ""),
-                 lambda v: (null and v is None) or (type(v) in (int, float) and (ge is None or v >= ge)
-                                                     and (gt is None or v > gt)))
+def number_or_null() -> Field:
+    """A number, or null: a result dspark wrote as null because it was not finite (`dspark.jsonio`)."""
+    return Field("a number or null", lambda v: v is None or type(v) in (int, float))
 
 
 def text() -> Field:
@@ -68,11 +66,9 @@ def mapping(schema: dict | None = None, values: Field | None = None) -> Field:
                  schema=schema)
 
 
-def optional(f: Field, null: bool = False) -> Field:
-    """`f`, or the field left out (and, with `null`, null)."""
-    if not null:
-        return Field(f.expected, f.ok, False, f.schema)
-    return Field(f"{f.expected} or null", lambda v: v is None or f.ok(v), False, f.schema)
+def optional(f: Field) -> Field:
+    """`f`, or the field left out."""
+    return Field(f.expected, f.ok, False, f.schema)
 
 
 def settings_schema(cls) -> dict:
