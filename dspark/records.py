@@ -134,12 +134,20 @@ def read_record(path: Path, schema: dict, fix: str):
 # --- the run folder -------------------------------------------------------------------------------
 
 RUN_FIX = "restore the file from a copy of the run, or train into a new --save-path"
+RUN_RECORD = "config.json"
 
+
+def read_run(root: Path, schema: dict) -> dict | None:
+    """RUN/config.json checked against `schema`, the fields its reader uses (None: there is none, the folder is
+    no run yet)."""
+    path = Path(root) / RUN_RECORD
+    if not path.exists() and not path.is_symlink():
+        return None
+    return read_record(path, schema, RUN_FIX)
 
 METRIC_RECORD = {"step": integer(0), "epoch": integer(0), "split": one_of("train", "val"),
-                 "metrics": mapping(values=number(null=True)),  # null: a value that was not finite
-                 "timing": optional(mapping(values=number(null=True))),
-                 "live": optional(mapping(values=number(null=True))), "damaged_skipped": optional(integer(0))}
+                 "metrics": mapping(values=number_or_null()), "timing": optional(mapping(values=number_or_null())),
+                 "live": optional(mapping(values=number_or_null())), "damaged_skipped": optional(integer(0))}
 
 
 def check_metric_record(rec, path: Path, line: int) -> dict:

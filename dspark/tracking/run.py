@@ -24,8 +24,7 @@ from pathlib import Path
 from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
-from dspark.records import mapping, optional, read_record, text
-from dspark.train.config import read_run_record
+from dspark.records import mapping, optional, read_record, read_run, settings_schema, text
 from dspark.tracking.backends import BACKENDS, Backend
 from dspark.tracking.config import TrackingConfig
 
@@ -120,7 +119,7 @@ def _was_runs_own_store(root: Path, uri: str) -> bool:
     path = _file_path(uri)
     if path is None or path.is_relative_to(root) or path.name != OLD_PLACE["mlflow"]:
         return False
-    rec = read_run_record(root)
+    rec = read_run(root, {"train": mapping({"tracking": optional(mapping(settings_schema(TrackingConfig)))})})
     return rec is not None and rec["train"].get("tracking", {}).get("tracking_uri") is None
 
 

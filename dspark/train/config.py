@@ -9,7 +9,7 @@ from typing import Literal
 from dspark.connector.config import LiveConfig
 from dspark.settings import build, check_settings, setting
 from dspark.errors import InputError
-from dspark.records import RUN_FIX, integer, list_of, mapping, optional, read_record, settings_schema, text
+from dspark.records import integer, list_of, mapping, optional, read_run, settings_schema, text
 from dspark.tracking.config import TrackingConfig
 
 # Settings only some drafter kinds read (the others ignore them, and a model card leaves them out).
@@ -205,8 +205,5 @@ def run_schema() -> dict:
 
 
 def read_run_record(root: Path) -> dict | None:
-    """RUN/config.json checked (None: there is none, the folder is no run yet)."""
-    path = Path(root) / "config.json"
-    if not path.exists() and not path.is_symlink():
-        return None
-    return read_record(path, run_schema(), RUN_FIX)
+    """RUN/config.json checked whole (None: there is none, the folder is no run yet)."""
+    return read_run(root, run_schema())
