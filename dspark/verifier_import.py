@@ -22,13 +22,15 @@ import io
 import json
 import os
 import shutil
+import struct
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from dspark import jsonio
 from dspark.errors import InputError
-from dspark.files import FileRefused, read_bounded
+from dspark.files import FileRefused, open_regular, read_bounded
 from dspark.fsio import publishing, remove_leftovers
 from dspark.outputs import check_output, output_lock
 from dspark.settings import setting
@@ -128,10 +130,6 @@ def check_gguf_metadata(path: Path) -> None:
     ran for minutes at GBs. Here each claim is checked against the bytes left before it is followed,
     so walking costs at most the metadata's own size; strings of a string array are skipped, not read.
     """
-    import struct
-
-    from dspark.files import FileRefused, open_regular
-
     def refuse(what: str) -> InputError:
         return InputError(f"{path}: damaged GGUF: {what}", "download the file again (it is cut off or not a real GGUF)")
 
@@ -245,10 +243,7 @@ def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | Non
     Refuses a folder that holds anything else, unless `force`."""
     if not output.exists() or not any(output.iterdir()) or force:
         return None
-    try:
-        record = json.loads((output / IMPORT_RECORD).read_text())
-    except (OSError, ValueError):
-        record = None
+    record = _read_record(output)
     if record and record.get("source_sha256") == sha and record.get("dtype") == dtype:
         return record
     what = (f"--output {output} holds an import of {record.get('source_name')} in {record.get('dtype')}"
@@ -256,12 +251,18 @@ def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | Non
     raise InputError(what, "pass --force to overwrite it, or choose another --output")
 
 
+def _read_record(output: Path) -> dict | None:
+    """The record of an earlier import into `output` (None: none, or not one an import wrote)."""
+    try:
+        record = jsonio.loads(read_bounded(output / IMPORT_RECORD, RECORD_BYTES))
+    except (OSError, ValueError, FileRefused):  # ValueError: not JSON, not UTF-8, nested too deep
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _imported_files(output: Path) -> list[str]:
     """The files an earlier import wrote into `output`, its record first (none if it has no record of them)."""
-    try:
-        files = json.loads(read_bounded(output / IMPORT_RECORD, RECORD_BYTES))["files"]
-    except (OSError, ValueError, KeyError, TypeError, FileRefused):
-        return []
+    files = (_read_record(output) or {}).get("files")
     if not isinstance(files, list):
         return []
     # plain names only: a record is no licence to delete outside the folder

@@ -205,6 +205,18 @@ def test_a_non_empty_folder_that_is_not_this_import_is_refused_unless_forced(tmp
     assert not list(tmp_path.glob(".out.*"))
 
 
+@pytest.mark.parametrize("record", ["[1, 2]", "[" * 100_000 + "]" * 100_000, "x" * (2 << 20)])
+def test_a_tampered_import_record_is_no_import_one_line_not_a_traceback(tmp_path, record):
+    # JSON that is no object (AttributeError before), nested past Python's stack (RecursionError), too large to read
+    src = write_gguf(tmp_path / "tiny.gguf")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / IMPORT_RECORD).write_text(record)
+    with pytest.raises(InputError, match=r"is not empty and is not an import.*--force"):
+        import_gguf(str(src), out)
+    assert (out / IMPORT_RECORD).read_text() == record
+
+
 def test_an_import_interrupted_after_writing_leaves_no_folder_and_a_killed_ones_temp_is_cleaned(tmp_path, monkeypatch):
     import dspark.verifier_import as vi
 
