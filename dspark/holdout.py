@@ -27,13 +27,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark import jsonio
 from dspark.errors import InputError
 from dspark.fingerprint import sha256_json
-from dspark.files import FileRefused, file_xxh3, read_bounded
+from dspark.files import file_xxh3
 from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
 from dspark.outputs import check_output, distinct, output_lock, writing
+from dspark.records import object_or_none
 from dspark.settings import setting
 
 
@@ -189,10 +189,7 @@ def _summary_path(train_out: Path) -> Path:
 
 def _record(summary: Path) -> dict | None:
     """The record of the files an earlier holdout wrote, from its summary: {role: {"file", "xxh3_128"}}."""
-    try:
-        outputs = jsonio.loads(read_bounded(summary, SUMMARY_BYTES)).get("outputs")
-    except (OSError, ValueError, AttributeError, FileRefused):  # AttributeError: JSON that is no object
-        return None
+    outputs = (object_or_none(summary, SUMMARY_BYTES) or {}).get("outputs")
     return outputs if isinstance(outputs, dict) else None
 
 

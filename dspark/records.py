@@ -126,6 +126,16 @@ def load_json(path: Path, fix: str, limit: int = RECORD_LIMIT):
         raise InputError(f"{path} is not JSON ({str(e).splitlines()[0][:200]})", fix) from None
 
 
+def object_or_none(path: Path, limit: int = RECORD_LIMIT) -> dict | None:
+    """The JSON object in `path`, or None where there is none (missing, over `limit` bytes, not JSON, no object):
+    for a record whose absence or damage only means "not written by this command" (an output's own record)."""
+    try:
+        value = jsonio.loads(read_bounded(path, limit))
+    except (OSError, ValueError, FileRefused):  # ValueError: not JSON, not UTF-8, nested too deep
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def read_record(path: Path, schema: dict, fix: str):
     """A record file: bounded, JSON, and holding `schema`'s fields as they should be (or one line)."""
     return check(load_json(path, fix), schema, str(path), fix)

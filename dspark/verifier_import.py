@@ -28,11 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dspark import jsonio
 from dspark.errors import InputError
-from dspark.files import FileRefused, open_regular, read_bounded
+from dspark.files import FileRefused, open_regular
 from dspark.fsio import publishing, remove_leftovers
 from dspark.outputs import check_output, output_lock
+from dspark.records import object_or_none
 from dspark.settings import setting
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -243,7 +243,7 @@ def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | Non
     Refuses a folder that holds anything else, unless `force`."""
     if not output.exists() or not any(output.iterdir()) or force:
         return None
-    record = _read_record(output)
+    record = object_or_none(output / IMPORT_RECORD, RECORD_BYTES)
     if record and record.get("source_sha256") == sha and record.get("dtype") == dtype:
         return record
     what = (f"--output {output} holds an import of {record.get('source_name')} in {record.get('dtype')}"
@@ -251,18 +251,9 @@ def _check_output(output: Path, sha: str, dtype: str, force: bool) -> dict | Non
     raise InputError(what, "pass --force to overwrite it, or choose another --output")
 
 
-def _read_record(output: Path) -> dict | None:
-    """The record of an earlier import into `output` (None: none, or not one an import wrote)."""
-    try:
-        record = jsonio.loads(read_bounded(output / IMPORT_RECORD, RECORD_BYTES))
-    except (OSError, ValueError, FileRefused):  # ValueError: not JSON, not UTF-8, nested too deep
-        return None
-    return record if isinstance(record, dict) else None
-
-
 def _imported_files(output: Path) -> list[str]:
     """The files an earlier import wrote into `output`, its record first (none if it has no record of them)."""
-    files = (_read_record(output) or {}).get("files")
+    files = (object_or_none(output / IMPORT_RECORD, RECORD_BYTES) or {}).get("files")
     if not isinstance(files, list):
         return []
     # plain names only: a record is no licence to delete outside the folder
