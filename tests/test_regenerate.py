@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_cli, wait_for, write_jsonl
 from dspark.errors import InputError
-from dspark.regenerate import RegenerateConfig, regenerate
+from dspark.data.regenerate import RegenerateConfig, regenerate
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -47,8 +47,8 @@ def greedy_reference(verifier: Path, prompts: list[list[dict]], max_new_tokens: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dspark.decode.prompts import render_prompt
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import render_prompt
+    from dspark.data.prepare import load_tokenizer
 
     tok = load_tokenizer(verifier)
     model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.float32).eval()
@@ -81,7 +81,7 @@ def kill_mid_run_then_resume(python, args: list, output: Path, tear: bool) -> tu
 
 
 def test_replies_are_the_verifiers_own_greedy_generations_and_prepare_reads_them(tmp_path, verifier, chat_file):
-    from dspark.prepare import PrepareConfig, prepare
+    from dspark.data.prepare import PrepareConfig, prepare
 
     out = tmp_path / "regen.jsonl"
     summary = json.loads(run_cli("regenerate", "--model", verifier, "--data", chat_file, "--output", out,
@@ -108,7 +108,7 @@ def test_replies_are_the_verifiers_own_greedy_generations_and_prepare_reads_them
 
 
 def test_later_turns_are_answered_after_the_verifiers_own_replies(tmp_path, verifier, chat_file):
-    from dspark.decode.prompts import later_turns
+    from dspark.data.prompts import later_turns
 
     every = tmp_path / "all.jsonl"
     summary = json.loads(run_cli("regenerate", "--model", verifier, "--data", chat_file, "--output", every,
@@ -197,7 +197,7 @@ def test_an_output_from_other_settings_or_another_writer_or_not_from_regenerate_
 
 def test_blank_replies_are_dropped_and_cut_replies_kept_and_both_counted_across_reruns(tmp_path, verifier,
                                                                                      monkeypatch):
-    from dspark import regenerate as module
+    from dspark.data import regenerate as module
 
     class Scripted(module.Generator):
         """Odd prompts get a blank reply, even ones a reply cut at --max-new-tokens."""
@@ -209,7 +209,7 @@ def test_blank_replies_are_dropped_and_cut_replies_kept_and_both_counted_across_
             return [module.Generation(" \n", [], True) if (seed + j) % 2 else module.Generation("cut short", [7], False)
                     for j in range(len(prompts))]
 
-    monkeypatch.setitem(module.GENERATORS, "transformers", Scripted)
+    monkeypatch.setitem(module.GENERATORS.entries, "transformers", Scripted)
     chats = write_jsonl(tmp_path / "chat.jsonl", [
         {"messages": [{"role": "user", "content": "What is 16 plus 32?"}, {"role": "assistant", "content": "48"}]},
         {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "gpt", "value": "ok"}]},
@@ -226,8 +226,8 @@ def test_blank_replies_are_dropped_and_cut_replies_kept_and_both_counted_across_
     assert again["up_to_date"] and {k: again[k] for k in ("written", "truncated", "dropped_by_reason")} == {
         k: first[k] for k in ("written", "truncated", "dropped_by_reason")}
     # Prompts longer than --max-prompt-tokens are skipped and counted; it is a setting of the output's identity.
-    from dspark.decode.prompts import render_prompt
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import render_prompt
+    from dspark.data.prepare import load_tokenizer
 
     tok = load_tokenizer(verifier)
     lengths = [len(render_prompt(tok, [{"role": "user", "content": c}])) for c in

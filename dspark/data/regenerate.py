@@ -4,11 +4,11 @@ A drafter learns to predict what its verifier says. Public chat dumps hold other
 regenerating them with the verifier (speculators calls it response regeneration) makes the
 training targets the verifier's own outputs, so what training measures is what serving sees.
 
-Per conversation (read by `dspark.prepare.read_conversations`: OpenAI `messages`, ShareGPT
+Per conversation (read by `dspark.data.prepare.read_conversations`: OpenAI `messages`, ShareGPT
 `conversations` or a JSON array, with its roles, repairs and drop reasons), the prompt is every
 turn before the first assistant turn (system and user turns), rendered with the verifier's chat
 template and generation prompt as `dspark eval --decode` renders prompts
-(`dspark.decode.prompts.render_prompt`). One line per prompt, which `dspark prepare` reads (it
+(`dspark.data.prompts.render_prompt`). One line per prompt, which `dspark prepare` reads (it
 ignores `source`):
 
     {"messages": [...prompt turns, {"role": "assistant", "content": REPLY}],
@@ -68,9 +68,10 @@ from dspark.files import open_regular
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.outputs import check_output, writing
+from dspark.registry import Registry
 from dspark.records import integer, mapping, optional, read_record
-from dspark.verifier import VerifierInfo
-from dspark.verifier_check import check_verifier_config
+from dspark.verifier.info import VerifierInfo
+from dspark.verifier.check import check_verifier_config
 
 FORMAT = 1
 DTYPES = ("float32", "bfloat16", "float16")
@@ -82,7 +83,7 @@ class RegenerateConfig:
     model: str = setting(help="Verifier folder (or cached hub id): its chat template renders the prompts, its weights write the replies.")
     data: str = setting(help="Chat file: JSONL with OpenAI `messages` or ShareGPT `conversations`, or a JSON array.")
     output: str = setting(help="Chat JSONL to write (resumed if it exists), with OUTPUT.regenerate.json beside it.")
-    engine: Literal["transformers", "vllm"] = setting(
+    engine: Literal[GENERATORS.choices()] = setting(
         "transformers", "transformers: AutoModelForCausalLM.generate; vllm: vllm.LLM in-process (run from .venv-vllm).")
     max_new_tokens: int = setting(512, "Longest reply in tokens; longer ones are cut, kept and counted (truncated).",
                                   ge=1)
@@ -144,16 +145,7 @@ class Generator(ABC):
         """Nothing held beyond memory by default."""
 
 
-GENERATORS: dict[str, type[Generator]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        if name in GENERATORS:
-            raise ValueError(f"engine {name!r} is registered twice ({GENERATORS[name]} and {cls})")
-        GENERATORS[name] = cls
-        return cls
-    return deco
+GENERATORS: Registry[type[Generator]] = Registry("engine", "--engine")
 
 
 def _reply(tokenizer, ids: list[int], stop: set[int], finished: bool) -> Generation:
@@ -164,7 +156,7 @@ def _reply(tokenizer, ids: list[int], stop: set[int], finished: bool) -> Generat
     return Generation(text, ids, finished)
 
 
-@register("transformers")
+@GENERATORS.register("transformers")
 class TransformersGenerator(Generator):
     """`generate` on left-padded batches (positions come from the attention mask, so padding is invisible)."""
 
@@ -206,7 +198,7 @@ class TransformersGenerator(Generator):
         return results
 
 
-@register("vllm")
+@GENERATORS.register("vllm")
 class VllmGenerator(Generator):
     """`vllm.LLM.generate` on token ids, engine core in this process (as `dspark extract --engine vllm`)."""
 
@@ -278,8 +270,8 @@ def weights_sample_hash(model: Path, block: int = 1 << 20) -> str:
 
 def load_prompts(cfg: RegenerateConfig, tokenizer, max_length: int | None):
     """The usable prompts in input order (the first `max_prompts`), drops by reason, and what was read."""
-    from dspark.decode.prompts import later_turns, prompt_turns
-    from dspark.prepare import read_conversations
+    from dspark.data.prompts import later_turns, prompt_turns
+    from dspark.data.prepare import read_conversations
 
     path = Path(cfg.data)
     data = read_conversations(path, require_assistant=False)
@@ -313,7 +305,7 @@ def render(cfg: RegenerateConfig, tokenizer, max_length: int | None,
     """The turns rendered with the generation prompt, and why they are not answered (None: they are)."""
     from jinja2 import TemplateError
 
-    from dspark.decode.prompts import render_prompt, too_long_reason
+    from dspark.data.prompts import render_prompt, too_long_reason
 
     try:
         ids = render_prompt(tokenizer, turns)
@@ -328,7 +320,7 @@ def render(cfg: RegenerateConfig, tokenizer, max_length: int | None,
 
 def settings_key(cfg: RegenerateConfig, dtype: str) -> dict:
     """Everything that decides the replies (not how fast they come: batch size, device, max_prompts)."""
-    from dspark.fingerprint import model_config_hash, sha256_files, tokenizer_hash
+    from dspark.verifier.fingerprint import model_config_hash, sha256_files, tokenizer_hash
 
     model = Path(cfg.model)
     return {"format": FORMAT, "model_config": model_config_hash(model), "tokenizer": tokenizer_hash(model),
@@ -458,7 +450,7 @@ def converse(engine: Generator, cfg: RegenerateConfig, tokenizer, batch: list[Pr
 
 def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict:
     """Write (or resume, or find complete) the regenerated chat file; returns the summary."""
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prepare import load_tokenizer
 
     start_time = time.perf_counter()
     check_settings(cfg)

@@ -8,20 +8,19 @@
                    SinkConfig, and `sink` is only consulted for what is already stored
     close()        releases the engine; afterwards every sample it handed over is durable
 
-Engines are found by name (`--engine transformers|vllm`) in `ENGINES`, each one's module imported only when
+Engines are found by name (`--engine transformers|vllm`) in `ENGINES` (config.py), each one's module imported only when
 chosen.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 
 import numpy as np
 
 from dspark.connector.base import Sink
-from dspark.connector.registry import Registry
 from dspark.connector.config import SinkConfig
+from dspark.extract.config import ENGINES
 
 
 class Engine(ABC):
@@ -35,18 +34,9 @@ class Engine(ABC):
         """Nothing held beyond memory by default."""
 
 
-# name -> "module:Class", imported only when chosen: the vLLM engine's module loads for `--engine vllm` alone,
-# and the engines import Engine from here without this module importing them back (no cycle)
-ENGINES = Registry("engine", "--engine")
-ENGINES.register("transformers")("dspark.extract.transformers_engine:TransformersEngine")
-ENGINES.register("vllm")("dspark.extract.vllm_engine:VllmEngine")
-
-
 def engine_class(name: str) -> type[Engine]:
     """The engine `--engine name` chooses, its module imported now; one line for a name no engine has."""
-    ENGINES.parse(name)
-    module, cls = ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+    return ENGINES[name]
 
 
 def open_engine(name: str, *, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",

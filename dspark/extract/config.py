@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dspark.connector.config import ACCEPT_OTHER_WEIGHTS, SinkConfig
+from dspark.registry import Registry
 from dspark.settings import check_settings, setting
+
+# name -> "module:Class", imported only when chosen: the vLLM engine's module loads for `--engine vllm` alone,
+# and the engines import Engine from base.py without either importing them back (no cycle)
+ENGINES = Registry("engine", "--engine", {
+    "transformers": "dspark.extract.transformers_engine:TransformersEngine",
+    "vllm": "dspark.extract.vllm_engine:VllmEngine"})
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ class ExtractConfig(Batching):
 
     data: str = setting(help="A folder written by `dspark prepare`.")
     target_layer_ids: list[int] = setting(help="e.g. `1 3 5` or `1,3,5`.", distinct=True)
-    engine: Literal["transformers", "vllm"] = setting(
+    engine: Literal[ENGINES.choices()] = setting(
         "transformers", "vllm: vllm.LLM with our KV connector (run from .venv-vllm).")
     dtype: str | None = setting(None, "Override the verifier dtype (default: its config's).")
     shard: str = setting("0/1", "INDEX/COUNT: this writer's share of batches.")

@@ -1,4 +1,4 @@
-"""One class per experiment tracker, registered by its `--logger` name.
+"""One class per experiment tracker, found by its `--logger` name (config.py's TRACKERS).
 
 Each opens (or reopens, from its identity in RUN/trackers.json) one tracker run, logs scalars at training
 steps, logs eval results and their plots, says which step it last holds per key, and closes. Each runs on
@@ -14,14 +14,6 @@ from pathlib import Path
 from typing import ClassVar
 
 from dspark.tracking.config import TrackingConfig
-
-BACKENDS: dict[str, type[Backend]] = {}
-
-
-def register(cls: type[Backend]) -> type[Backend]:
-    BACKENDS[cls.name] = cls
-    return cls
-
 
 def _last_steps(pairs) -> dict[str, int]:
     """The highest step per key from (key, step) pairs such as (`train/loss`, 40).
@@ -66,7 +58,6 @@ class Backend:
         pass
 
 
-@register
 class TensorBoard(Backend):
     name = module = "tensorboard"
 
@@ -106,7 +97,6 @@ class TensorBoard(Backend):
         self.writer.close()
 
 
-@register
 class MLflow(Backend):
     name = module = "mlflow"
 
@@ -170,7 +160,6 @@ class MLflow(Backend):
         self.client.set_terminated(self.run_id)
 
 
-@register
 class Wandb(Backend):
     name = module = "wandb"
 
@@ -253,7 +242,6 @@ def wandb_history(path: Path) -> list[dict]:
             rows.append(row)
 
 
-@register
 class Trackio(Backend):
     name = module = "trackio"
 

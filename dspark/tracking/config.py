@@ -6,8 +6,11 @@ from dataclasses import dataclass
 
 from dspark.settings import setting
 from dspark.errors import InputError
+from dspark.registry import Registry
 
-TRACKERS = ("tensorboard", "mlflow", "wandb", "trackio")
+# each tracker's class, imported at its first lookup
+TRACKERS = Registry("tracker", "--logger", {name: f"dspark.tracking.backends:{cls}" for name, cls in (
+    ("tensorboard", "TensorBoard"), ("mlflow", "MLflow"), ("wandb", "Wandb"), ("trackio", "Trackio"))})
 ALWAYS = "jsonl"  # RUN/metrics.jsonl: the run's record, written whatever --logger says
 
 
@@ -30,8 +33,8 @@ class TrackingConfig:
     def trackers(self) -> list[str]:
         """The named trackers, in the order given, without jsonl; an unknown name is one line."""
         names = [n.strip().lower() for n in self.logger.split(",") if n.strip()]
-        unknown = [n for n in names if n not in (*TRACKERS, ALWAYS)]
+        unknown = [n for n in names if n not in TRACKERS and n != ALWAYS]
         if unknown:
             raise InputError(f"--logger {self.logger!r}: unknown tracker {unknown[0]!r}",
-                             f"use a comma-separated list of {', '.join((*TRACKERS, ALWAYS))}")
+                             f"use a comma-separated list of {', '.join((*TRACKERS.names(), ALWAYS))}")
         return list(dict.fromkeys(n for n in names if n != ALWAYS))

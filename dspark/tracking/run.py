@@ -25,8 +25,8 @@ from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
 from dspark.records import mapping, optional, read_record, read_run, settings_schema, text
-from dspark.tracking.backends import BACKENDS, Backend
-from dspark.tracking.config import TrackingConfig
+from dspark.tracking.backends import Backend
+from dspark.tracking.config import TRACKERS, TrackingConfig
 
 IDENTITY = "trackers.json"
 CLOSE_SECONDS = 60.0  # the most a finished run waits for its trackers to flush
@@ -137,13 +137,13 @@ def _relative(name: str, identity: dict, root: Path) -> dict:
 
 
 def installed(name: str) -> bool:
-    return importlib.util.find_spec(BACKENDS[name].module) is not None
+    return importlib.util.find_spec(TRACKERS[name].module) is not None
 
 
 def require_installed(names: list[str]) -> None:
     for name in names:
         if not installed(name):
-            raise InputError(f"--logger {name}: the {BACKENDS[name].module} package is not installed",
+            raise InputError(f"--logger {name}: the {TRACKERS[name].module} package is not installed",
                              f"pip install 'dspark[{name}]' (or drop {name} from --logger)")
 
 
@@ -194,18 +194,18 @@ class Tracking:
                   "a new MLflow run there gets the whole history from metrics.jsonl, and trackers.json now names it",
                   file=sys.stderr, flush=True)
             del ids["mlflow"]
-        return cls(root, [BACKENDS[n](Path(root), cfg, ids.get(n)) for n in names], params, tags, history,
+        return cls(root, [TRACKERS[n](Path(root), cfg, ids.get(n)) for n in names], params, tags, history,
                    f"training goes on, and {Path(root) / 'metrics.jsonl'} keeps every metric")
 
     @classmethod
     def for_results(cls, root: str | Path) -> Tracking:
         """The trackers a run logged to (its trackers.json), for eval results; one not installed here is said."""
         ids = read_identity(Path(root))
-        missing = [n for n in ids if n not in BACKENDS or not installed(n)]
+        missing = [n for n in ids if n not in TRACKERS or not installed(n)]
         if missing:
             _warn(f"{', '.join(missing)} not installed here: these results are not logged there (pip install "
                   f"'dspark[{missing[0]}]')")
-        return cls(root, [BACKENDS[n](Path(root), None, ids[n]) for n in ids if n not in missing],
+        return cls(root, [TRACKERS[n](Path(root), None, ids[n]) for n in ids if n not in missing],
                    kept="the results stay in their JSON files")
 
     def log(self, record: dict) -> None:
