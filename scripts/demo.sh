@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 D=${DSPARK_DEMO:-cache}
-DATA=$(.venv/bin/python -c "from dspark.toy import demo_chat_path; print(demo_chat_path())")
+DATA=$(.venv/bin/python -c "from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())")
 dspark() { .venv/bin/dspark "$@"; }
 set -x
 [ -f "$D/models/tiny/model.safetensors" ] || dspark toy-verifier --output "$D/models/tiny"

@@ -36,7 +36,7 @@ else
   DEV=cuda TOY_STEPS=150 CHATS=400 STEPS=0 PROMPTS=20 TOKENS=64 TP=$(nvidia-smi -L | wc -l)
 fi
 CHAT=$W/chat.jsonl
-head -n "$CHATS" "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" >"$CHAT"
+head -n "$CHATS" "$(.venv/bin/python -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" >"$CHAT"
 LAYERS=(--target-layer-ids 1 3 5)
 
 # serve NAME COMMAND...: start a server in its own process group, then wait for its /health.

@@ -40,7 +40,7 @@ DS=("$PY" -m dspark.cli)
 LIB=("$PY" scripts/gpu_check_lib.py)
 TRAIN=(train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" --data-path "$W/prepared"
        --verifier-name-or-path "$W/tiny" --device "$DEV" --total-seq-len "$SEQ" --log-freq 2 --no-progress)
-head -n "$CHATS" "$("$PY" -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" >"$W/chat.jsonl"
+head -n "$CHATS" "$("$PY" -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" >"$W/chat.jsonl"
 echo "gpu check ($([ "$DRY" = 1 ] && echo 'dry run, CPU' || echo "$DEV")): work folder $W, budget ${BUDGET}s"
 [ "$DRY" = 1 ] || "$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' \
   | tee "$LOGS/device.txt"

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import InputError
-from dspark.fingerprint import sha256_json
+from dspark.verifier.fingerprint import sha256_json
 from dspark.files import file_xxh3
 from dspark.fsio import replacing, write_atomic
 from dspark.jsonio import dump_json
@@ -83,7 +83,7 @@ def _record_texts(record) -> list[str]:
 
 def eval_texts(path: Path) -> list[str]:
     """The user-side texts of a prompt file (JSONL or a JSON array, gzip or not), read as `prepare` reads data."""
-    from dspark.prepare import ChatData, read_records
+    from dspark.data.prepare import ChatData, read_records
 
     if not path.is_file():
         raise InputError(f"--exclude file {path} does not exist", "pass the prompt files you will report on")
@@ -137,7 +137,7 @@ class ExcludeIndex:
 
 def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int = 0,
           exclude: list[Path] = (), force: bool = False) -> dict:
-    from dspark.prepare import read_conversations
+    from dspark.data.prepare import read_conversations
 
     if heldout < 0:
         raise InputError(f"--heldout {heldout} is negative", "pass how many conversations to hold out")

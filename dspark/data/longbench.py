@@ -5,7 +5,7 @@ Two sub-domains, like LongBench's:
   sentence ("The secret number of the old bridge is 4821."); the question asks for it.
 - `continuation`: a contiguous run of the source text; the question asks for what comes next.
 
-Each record's prompt, rendered as `dspark.decode.prompts` renders LongBench (chat template,
+Each record's prompt, rendered as `dspark.data.prompts` renders LongBench (chat template,
 generation prompt), is at most its target length in tokens and close to it, so a target of
 4096 lands in the "2K-4K" bucket and fits a 4096-position verifier with no room for new
 tokens. `length` is the context's word count, as LongBench writes it.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dspark.decode.prompts import longbench_prompt, render_prompt
+from dspark.data.prompts import longbench_prompt, render_prompt
 from dspark.errors import InputError
 from dspark.fsio import write_atomic
 from dspark.settings import setting
@@ -139,7 +139,7 @@ def read_texts(path: Path) -> list[str]:
     if not path.is_file():
         raise InputError(f"--text {path} does not exist", "pass existing text or chat JSONL files")
     if path.suffix in (".jsonl", ".json"):
-        from dspark.prepare import read_conversations
+        from dspark.data.prepare import read_conversations
 
         return [m["content"] for conv in read_conversations(path).conversations for m in conv]
     try:

@@ -37,7 +37,7 @@ import numpy as np
 from dspark import files as bounds, jsonio
 from dspark.errors import InputError
 from dspark.files import DataReader, FileRefused, file_xxh3
-from dspark.fingerprint import sha256_files, sha256_json, tokenizer_hash
+from dspark.verifier.fingerprint import sha256_files, sha256_json, tokenizer_hash
 from dspark.outputs import check_output, output_lock, written_files
 from dspark.settings import setting
 
@@ -94,7 +94,7 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
                          "pass --model a local folder holding config.json and the tokenizer files")
     from transformers import AutoTokenizer
 
-    from dspark.verifier_check import check_verifier_config
+    from dspark.verifier.check import check_verifier_config
 
     if (path / "config.json").is_file():  # transformers builds the model's config too, and fails in a traceback
         check_verifier_config(path, host_memory=False)
@@ -453,7 +453,7 @@ def too_many_chars(texts) -> str | None:
     chars = sum(map(len, texts))
     if chars > MAX_CONVERSATION_CHARS:
         return (f"{chars} characters, over the {MAX_CONVERSATION_CHARS} a conversation may hold "
-                "(dspark.prepare.MAX_CONVERSATION_CHARS)")
+                "(dspark.data.prepare.MAX_CONVERSATION_CHARS)")
     return None
 
 

@@ -21,7 +21,7 @@ the first record:
   the first turn alone, as one user message. The second turn asks about the model's own first
   answer, which the file does not hold, so it is not decoded. `subdomain` is `category`.
 - anything else: chat JSONL or a JSON array, OpenAI `messages` or ShareGPT `conversations`,
-  read by `dspark.prepare.read_conversations` (same roles, repairs and drop reasons as
+  read by `dspark.data.prepare.read_conversations` (same roles, repairs and drop reasons as
   `dspark prepare`, but a conversation without an assistant turn is kept); the prompt is the
   conversation before its first assistant turn, or, in one without an assistant turn, the
   conversation up to and including its first user turn (the later user turns await replies
@@ -54,7 +54,7 @@ from typing import Callable, Iterator, NamedTuple
 
 from dspark import jsonio
 from dspark.errors import InputError
-from dspark.prepare import OVER_MAX_CHARS, open_data, too_many_chars
+from dspark.data.prepare import OVER_MAX_CHARS, open_data, too_many_chars
 
 # Context buckets count tokens of the rendered prompt, K = 1024 (LongBench's own `length`
 # counts words, K = 1000): power-of-two windows, so a 4096-token verifier ends at "2K-4K".
@@ -261,7 +261,7 @@ def _detect(path: Path) -> str:
 def _chat(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
     from jinja2 import TemplateError
 
-    from dspark.prepare import SKIP_FIX, read_conversations
+    from dspark.data.prepare import SKIP_FIX, read_conversations
 
     try:
         data = read_conversations(path, require_assistant=False)
@@ -309,8 +309,8 @@ def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Pr
 def _prepared(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
     import numpy as np
 
-    from dspark.fingerprint import tokenizer_hash
-    from dspark.prepare import PreparedData
+    from dspark.verifier.fingerprint import tokenizer_hash
+    from dspark.data.prepare import PreparedData
 
     data = PreparedData(path)
     source = Path(getattr(tokenizer, "name_or_path", "") or "")

@@ -1,4 +1,4 @@
-"""Speculative decoding with a trained drafter: settings, prompt sets, drafters, the decode loop and its report.
+"""Speculative decoding with a trained drafter: settings, drafters, the decode loop and its report.
 
-May import what sits below it (train, eval, export, extract, prepare, settings); never the CLI.
+May import what sits below it (train, eval, export, extract, data, verifier, kinds, settings); never the CLI.
 """

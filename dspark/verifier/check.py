@@ -19,7 +19,7 @@ import struct
 from pathlib import Path
 
 from dspark.errors import InputError
-from dspark.verifier import CONFIG_FIX as _FIX, VerifierInfo, read_json_object
+from dspark.verifier.info import CONFIG_FIX as _FIX, VerifierInfo, read_json_object
 
 HEADER_LIMIT = 100 << 20  # a safetensors header's size limit, as the format sets it
 SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",

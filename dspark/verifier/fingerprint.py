@@ -11,7 +11,7 @@ import xxhash
 
 from dspark.errors import InputError
 from dspark.files import FileRefused, file_xxh3
-from dspark.verifier import VerifierInfo
+from dspark.verifier.info import VerifierInfo
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers loads a model's weights from
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

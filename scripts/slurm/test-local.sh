@@ -20,7 +20,7 @@ fail() { echo "FAIL: $*" >&2; for f in "$W"/work/run*/logs/*/*.log; do echo "---
 OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" >/dev/null
 export OMP_NUM_THREADS=1
 .venv/bin/dspark prepare --config configs/cpu.yaml --model "$W/models/tiny" --output "$W/prepared" \
-  --data "$(.venv/bin/python -c 'from dspark.toy import demo_chat_path; print(demo_chat_path())')" \
+  --data "$(.venv/bin/python -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" \
   >/dev/null 2>"$W/prepare.log" || fail "prepare: $(tail -n 5 "$W/prepare.log")"
 export DSPARK_CONFIG=$W/config.yaml
 .venv/bin/python - configs/cpu.yaml "$DSPARK_CONFIG" <<'PY'

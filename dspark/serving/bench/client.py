@@ -5,7 +5,7 @@ followed); user info in the URL is sent as Basic credentials and shown only as `
 request streams, so the first token's arrival and the gaps between later chunks are seen as a user
 sees them; the token count is the server's own (`stream_options.include_usage`).
 
-Every read is bounded (the README's read bounds): a body at most MAX_BODY bytes, a streamed line at
+Every read is bounded (docs/reliability.md, Read bounds): a body at most MAX_BODY bytes, a streamed line at
 most MAX_LINE, JSON as deep as jsonio.MAX_JSON_DEPTH; each read waits at most
 --request-timeout for data, and each request has a total deadline besides (a GET --request-timeout,
 a streamed request --max-seconds), so a server that trickles a byte now and then cannot hold the
@@ -25,7 +25,7 @@ import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from dspark.bench.metrics import Reading, count, read
+from dspark.serving.bench.metrics import Reading, count, read
 from dspark.errors import DsparkError
 from dspark.jsonio import loads
 from dspark.vllm_server import SERVER_INFO_PATH

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from dspark.bench.client import BenchError, Result, Server
+from dspark.serving.bench.client import BenchError, Result, Server
 from dspark.settings import check_settings, setting
 from dspark.errors import InputError
 
@@ -171,11 +171,11 @@ def _output_folder(output: str) -> Path:
 def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict, Path]:
     from tqdm import tqdm
 
-    from dspark.bench.report import markdown, plot
-    from dspark.decode.prompts import load_prompt_set
+    from dspark.serving.bench.report import markdown, plot
+    from dspark.data.prompts import load_prompt_set
     from dspark.eval.report import write_report
-    from dspark.hub import local_model
-    from dspark.prepare import load_tokenizer
+    from dspark.verifier.hub import local_model
+    from dspark.data.prepare import load_tokenizer
 
     out = _output_folder(cfg.output)
     targets = [_target("endpoint", cfg.endpoint, cfg, "--endpoint")]
