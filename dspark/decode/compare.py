@@ -73,7 +73,7 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
     """The drafters (loaded) and the verifier folder they share."""
     from dspark.decode.drafter import drafter_for
     from dspark.eval.teacher_forced import load_checkpoint
-    from dspark.export.card import weight_count
+    from dspark.train.checkpoint import weight_count
     from dspark.train.checkpoint import read_config, require_checkpoint
 
     rows, verifier = [], cfg.verifier
@@ -97,11 +97,11 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
 
     from dspark.decode.loop import autoregressive, prefill_each, speculative
     from dspark.decode.ngram import NgramDrafter
-    from dspark.decode.prompts import context_bucket, load_prompt_set
+    from dspark.data.prompts import context_bucket, load_prompt_set
     from dspark.decode.report import by_subdomain, summarize
     from dspark.decode.verifier import Verifier
     from dspark.eval.report import write_report
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prepare import load_tokenizer
 
     cfg.validate()
     rows, verifier_path = load_rows(cfg)

@@ -11,11 +11,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from dspark.settings import check_settings, setting
-from dspark.decode.prompts import parse_spec
+from dspark.data.prompts import parse_spec
 from dspark.errors import InputError
 from dspark.eval.teacher_forced import ANCHOR_SEED, MAX_ANCHORS
+from dspark.kinds import DSPARK_LAYOUT, LAYOUTS
 
-Layout = Literal["dspark", "dflash-v1"]
+Layout = Literal[LAYOUTS]  # the DFlash family's decode layouts (dspark.kinds.dflash)
 DraftSample = Literal["probabilistic", "greedy"]
 Rejection = Literal["block", "standard"]
 NGRAM_TOKENS = 4  # prompt lookup's drafts per step, where none are given: served and in the decode loop alike
@@ -61,8 +62,8 @@ class DecodeOptions(SamplingConfig):
         factory=list, metavar="[NAME=]PATH", help="With --decode (repeatable): chat JSONL, ShareGPT, HumanEval, "
         "MT-bench question.jsonl, LongBench JSONL (any gzipped) or a prepared folder (default: the run's prepared "
         "data).")
-    layout: Layout = setting("dspark", "dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: as "
-                                       "vLLM V1's `method: dflash` would serve this checkpoint.")
+    layout: Layout = setting(DSPARK_LAYOUT, "dspark: as vLLM's DSpark speculator drafts (Model Runner V2); dflash-v1: "
+                                            "as vLLM V1's `method: dflash` would serve this checkpoint.")
     num_speculative_tokens: int | None = setting(None, "dflash-v1 only.", ge=1)
     confidence_threshold: float | None = setting(
         0.5, "Also decode with blocks cut where the confidence head's running survival falls below this.", gt=0)
@@ -79,7 +80,7 @@ class DecodeConfig(DecodeOptions):
             raise InputError(f"--confidence-threshold {self.confidence_threshold} is not in (0, 1]",
                              "pass a survival probability such as 0.5")
         _check_prompt_names(self.prompts)
-        if self.num_speculative_tokens is not None and self.layout == "dspark":
+        if self.num_speculative_tokens is not None and self.layout == DSPARK_LAYOUT:
             raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
                              "drop it: the dspark layout drafts what the checkpoint was trained to draft")
         return self

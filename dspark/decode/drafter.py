@@ -29,6 +29,7 @@ import torch
 
 from dspark.decode.config import DraftSample, Layout
 from dspark.decode.proposal import Proposal, sample_draft
+from dspark.kinds import DSPARK_LAYOUT, kind_of
 from dspark.train.blocks import slot_bias
 
 
@@ -68,7 +69,7 @@ class DraftContext:
 
 
 class Drafter:
-    def __init__(self, model, layout: Layout = "dspark", num_speculative_tokens: int | None = None,
+    def __init__(self, model, layout: Layout = DSPARK_LAYOUT, num_speculative_tokens: int | None = None,
                  kv_cache: bool = True):
         """`num_speculative_tokens`: dflash-v1 only (the dspark layout drafts what the checkpoint was trained to).
 
@@ -79,8 +80,8 @@ class Drafter:
         self.layout = layout
         self.kv_cache = kv_cache
         cfg = model.config
-        self.anchor_slot_drafts = bool(cfg.sample_from_anchor) and layout == "dspark"
-        if layout == "dspark":
+        self.anchor_slot_drafts = bool(cfg.sample_from_anchor) and layout == DSPARK_LAYOUT
+        if layout == DSPARK_LAYOUT:
             self.slots = model.block_size
             self.num_speculative_tokens = self.slots - (0 if self.anchor_slot_drafts else 1)
         else:
@@ -89,8 +90,8 @@ class Drafter:
                                            cfg.speculators_config.proposal_methods[0].speculative_tokens)
             self.slots = 1 + self.num_speculative_tokens
         # a DFlash drafter has neither head; nor do DSpark's serve in vLLM's dflash-v1 layout
-        self.markov = getattr(model, "markov_head", None) if layout == "dspark" else None
-        self.confidence = getattr(model, "confidence_head", None) if layout == "dspark" else None
+        self.markov = getattr(model, "markov_head", None) if layout == DSPARK_LAYOUT else None
+        self.confidence = getattr(model, "confidence_head", None) if layout == DSPARK_LAYOUT else None
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
@@ -211,10 +212,8 @@ class Drafter:
                         torch.stack(conf) if conf else None)
 
 
-def drafter_for(model, layout: Layout = "dspark", num_speculative_tokens: int | None = None):
-    """The decode loop's drafter for a loaded checkpoint of any kind (`layout`: the DFlash family's only)."""
-    if model.config.speculators_model_type == "eagle3":
-        from dspark.decode.eagle3 import Eagle3Drafter
-
-        return Eagle3Drafter(model, num_speculative_tokens)
-    return Drafter(model, layout, num_speculative_tokens)
+def drafter_for(model, layout: Layout = DSPARK_LAYOUT, num_speculative_tokens: int | None = None):
+    """The decode loop's drafter for a loaded checkpoint of any kind, as its kind makes it (`layout`: the DFlash
+    family's only)."""
+    kind = kind_of({"speculators_model_type": model.config.speculators_model_type}, "the drafter's config")
+    return kind.drafter(model, layout, num_speculative_tokens)

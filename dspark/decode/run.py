@@ -24,7 +24,7 @@ def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_conf
     from tqdm import tqdm
 
     from dspark.decode.loop import autoregressive, prefill, speculative
-    from dspark.decode.prompts import context_bucket
+    from dspark.data.prompts import context_bucket
     from dspark.decode.report import by_subdomain, summarize
 
     n_spec = drafter.num_speculative_tokens
@@ -71,12 +71,12 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
                progress: bool = True) -> tuple[dict, Path]:
     from dspark.decode.drafter import drafter_for
     from dspark.decode.loop import autoregressive, speculative
-    from dspark.decode.prompts import LONG_BUCKETS, load_prompt_set
+    from dspark.data.prompts import LONG_BUCKETS, load_prompt_set
     from dspark.decode.report import long_context_rows, markdown, plot, tracked
     from dspark.decode.verifier import Verifier
     from dspark.eval.teacher_forced import load_checkpoint
     from dspark.eval.report import write_report
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prepare import load_tokenizer
     from dspark.tracking.run import log_results, results_trackers
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.verifier import VerifierInfo
-from dspark.verifier_check import check_verifier_config
+from dspark.verifier.info import VerifierInfo
+from dspark.verifier.check import check_verifier_config
 
 
 GQA_SDPA = "dspark_gqa_sdpa"

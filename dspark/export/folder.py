@@ -67,20 +67,6 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
                      "pass a new or empty folder, or --force to overwrite the files export writes there")
 
 
-def require_servable(config: dict, method: str, src: Path) -> None:
-    """vLLM's `method: dspark` model builds one Markov head, the vanilla low-rank one (`DSparkMarkovHead`:
-    markov_w1, markov_w2, of the config's markov_rank). Another head type would load as a vanilla one, silently
-    wrong, and rank 0 as an empty one: refused here, not found out at serving time."""
-    head, rank = config.get("markov_head_type", "vanilla"), config.get("markov_rank") or 0
-    if method != "dspark" or (head == "vanilla" and rank > 0):
-        return
-    what = "no Markov head (markov_rank 0)" if rank <= 0 else f"a {head!r} Markov head"
-    raise InputError(f"{src} has {what}, which vLLM's `method: dspark` cannot load: it loads only a vanilla head "
-                     "(markov_w1, markov_w2) of markov_rank > 0",
-                     "train with --markov-head-type vanilla and --markov-rank > 0 to serve it with vLLM (`dspark "
-                     "eval --decode` and `dspark compare` score this checkpoint as it is)")
-
-
 def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
     from dspark.fsio import copy_atomic, write_atomic
     from dspark.train.checkpoint import read_config, require_checkpoint
@@ -90,8 +76,9 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
         raise InputError(f"--verifier-name {verifier_name!r} is a local path",
                          "name the verifier as vLLM users will load it, e.g. Org/Model")
     config = read_config(src)
-    method = kind_of(config, f"{src}/config.json").vllm_method
-    require_servable(config, method, src)
+    kind = kind_of(config, f"{src}/config.json")
+    kind.require_servable(config, src)  # e.g. a DSpark Markov head vLLM would load wrong
+    method = kind.vllm_method
     config["speculators_config"]["verifier"]["name_or_path"] = verifier_name
     config.pop("_name_or_path", None)
     leftover = _absolute_paths(config)

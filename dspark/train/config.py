@@ -6,29 +6,17 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
 
+from dspark.connector.registry import SOURCES
 from dspark.connector.config import LiveConfig
 from dspark.settings import build, check_settings, setting
 from dspark.errors import InputError
+from dspark.kinds import DEFAULT_KIND, KINDS
 from dspark.records import integer, list_of, mapping, optional, read_run, settings_schema, text
 from dspark.tracking.config import TrackingConfig
 
-# Settings only some drafter kinds read (the others ignore them, and a model card leaves them out).
-KIND_ONLY = {
-    "dspark": {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-               "confidence_head_alpha"},
-    "eagle3": {"ttt_steps", "ttt_step_loss_decay"},
-}
-BLOCK_ONLY = {"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id"}  # DFlash family
-DEFAULT_LOSS = {"eagle3": "kl_div"}  # speculators' EAGLE-3 default; the DFlash family's is TrainConfig's
 # The run plans every epoch's batches up front (a list of sample ids each, for the schedule's step count):
 # more epochs than this is a typo, and 1e29 of them was a MemoryError.
 MAX_EPOCHS = 1000
-
-
-def unread_settings(kind: str) -> set[str]:
-    """The settings a drafter of `kind` does not read."""
-    other = set().union(*(v for k, v in KIND_ONLY.items() if k != kind))
-    return other | (BLOCK_ONLY if kind == "eagle3" else set())
 
 
 @dataclass
@@ -45,7 +33,7 @@ class TrainConfig:
     save_path: str = setting(help="Run folder (resumed if it exists).", result_neutral=True)
     target_layer_ids: list[int] = setting(help="Verifier layers the drafter reads, e.g. `1 3 5` or `1,3,5`.",
                                           distinct=True)
-    source: Literal["zarr", "mooncake"] = setting(
+    source: Literal[SOURCES.choices()] = setting(
         "zarr", "Where hidden states come from (--hidden-states-backend is the seed's name).",
         flags=("--from", "--hidden-states-backend"), result_neutral=True)
     store: str | None = setting(
@@ -62,8 +50,8 @@ class TrainConfig:
     checkpoint_freq: float = setting(1.0, "Fraction of an epoch.", gt=0)
     total_seq_len: int = setting(2048, "Tokens per packed batch.", ge=2)
     train_data_ratio: float = setting(0.9, "Fraction of samples trained on; the rest validates.")
-    speculator_type: Literal["dspark", "dflash", "eagle3"] = setting(
-        "dspark", "The drafter kind: dspark (DFlash + Markov bias + confidence heads), dflash (speculators' "
+    speculator_type: Literal[KINDS.choices()] = setting(
+        DEFAULT_KIND, "The drafter kind: dspark (DFlash + Markov bias + confidence heads), dflash (speculators' "
                   "DFlashDraftModel, no Markov or confidence head) or eagle3 (speculators' Eagle3DraftModel: "
                   "autoregressive, exactly 3 target layers, training-time test); all from the same store.")
     block_size: int = setting(8, "Tokens per block: slots the drafter fills (drafts: block_size with "
@@ -121,10 +109,13 @@ class TrainConfig:
     tracking: TrackingConfig = setting(factory=TrackingConfig, prefixed=False, result_neutral=True)
 
     def __post_init__(self):
+        if self.speculator_type not in KINDS:  # validate() says so
+            return
+        kind = KINDS[self.speculator_type]
         if self.sample_from_anchor is None:  # resolved at once: a run's record holds the layout it trained
-            self.sample_from_anchor = self.speculator_type == "dspark"
+            self.sample_from_anchor = kind.sample_from_anchor
         if self.loss_fn is None:
-            self.loss_fn = DEFAULT_LOSS.get(self.speculator_type, '{"ce": 0.1, "tv": 0.9}')
+            self.loss_fn = kind.default_loss
 
     def validate(self) -> TrainConfig:
         check_settings(self)
@@ -132,10 +123,6 @@ class TrainConfig:
         if self.total_seq_len < 2 * self.block_size:
             raise InputError(f"--total-seq-len {self.total_seq_len} is shorter than two blocks of "
                              f"--block-size {self.block_size}", f"use --total-seq-len >= {2 * self.block_size}")
-        if self.speculator_type == "eagle3" and len(self.target_layer_ids) != 3:
-            raise InputError(f"--speculator-type eagle3 reads 3 target layers, not {len(self.target_layer_ids)} "
-                             f"({self.target_layer_ids})", "pass 3 of the store's layers, e.g. --target-layer-ids "
-                             "2 N/2 N-3 for N verifier layers (vLLM's EAGLE-3 takes exactly 3)")
         if not self.sample_from_anchor and self.block_size < 2:
             raise InputError(f"--no-sample-from-anchor with --block-size {self.block_size} drafts no token "
                              "(slot 0 is the anchor)", "use --block-size >= 2")
@@ -148,10 +135,7 @@ class TrainConfig:
         if not self.scheduler_warmup_ratio < 1:
             raise InputError(f"--scheduler-warmup-ratio {self.scheduler_warmup_ratio} leaves no steps after warm-up",
                              "use a fraction below 1, e.g. 0.03")
-        if self.speculator_type == "dspark" and self.confidence_head_with_markov and self.enable_confidence_head \
-                and self.markov_rank <= 0:
-            raise InputError("--confidence-head-with-markov needs a Markov head, but --markov-rank is 0",
-                             "add --no-confidence-head-with-markov, or set --markov-rank > 0")
+        KINDS[self.speculator_type].check(self)  # what the kind itself cannot do
         from speculators.losses.utils import resolve_loss_config
 
         try:

@@ -1,4 +1,4 @@
-"""Build the drafter of the run's kind (speculators' DSparkDraftModel or DFlashDraftModel), its optimizer and schedule."""
+"""Build the drafter of the run's kind (speculators' model class the kind names), its optimizer and schedule."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import torch
 
 from dspark.errors import InputError
 from dspark.kinds import KINDS
-from dspark.prepare import PreparedData, load_tokenizer
+from dspark.data.prepare import PreparedData, load_tokenizer
 from dspark.train.config import TrainConfig
 from dspark.train.muon import Muon, ns_dtype_for
-from dspark.verifier_check import check_verifier_config
+from dspark.verifier.check import check_verifier_config
 
 
 def attn_impl(device: torch.device) -> str:
@@ -51,47 +51,36 @@ def broadcast_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None) -> torch.Tensor:
     return mask_mod(zero, zero, q, kv).expand(Q_LEN, KV_LEN).contiguous()[None, None]
 
 
+def mask_token_id(cfg: TrainConfig) -> int:
+    """--mask-token-id, else the verifier's tokenizer's mask token (what a block drafter's mask slots read)."""
+    if cfg.mask_token_id is not None:
+        return cfg.mask_token_id
+    token = load_tokenizer(cfg.verifier_name_or_path, cfg.trust_remote_code).mask_token_id
+    if token is None:
+        raise InputError(f"the tokenizer of {cfg.verifier_name_or_path} has no mask token", "pass --mask-token-id")
+    return token
+
+
 def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
+    """speculators' drafter of the run's kind: what every kind takes here, the kind's own arguments from the kind."""
     from speculators.models.utils import get_verifier_config
     from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
 
+    kind = KINDS[cfg.speculator_type]
     verifier = cfg.verifier_name_or_path
     check_verifier_config(verifier, host_memory=False)  # only its embedding is loaded here, not the whole model
     vcfg = get_verifier_config(verifier, trust_remote_code=cfg.trust_remote_code)
-    eagle3 = cfg.speculator_type == "eagle3"
     if cfg.draft_config:
         layer_cfg = load_draft_transformer_layer_config(cfg.draft_config, verifier, cfg.trust_remote_code)
-    else:  # speculators' draft decoder layers: llama for EAGLE-3, qwen3 for the DFlash family
+    else:  # speculators' draft decoder layers, of the kind's type (llama for EAGLE-3, qwen3 for the DFlash family)
         layer_cfg = create_transformer_layer_config(
-            verifier, cfg.num_layers, "llama" if eagle3 else "qwen3", None, sliding_window=cfg.total_seq_len,
+            verifier, cfg.num_layers, kind.decoder_layer, None, sliding_window=cfg.total_seq_len,
             full_attention_indices=list(range(cfg.num_layers)), trust_remote_code=cfg.trust_remote_code)
     t2d, d2t, draft_vocab = vocab_mappings(cfg, prepared, vcfg.vocab_size)
-    if eagle3:  # speculators' EAGLE-3 CLI defaults: norms before fc and residual, the normed output fed on
-        model = KINDS["eagle3"].model_class.from_training_args(
-            verifier_config=layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
-            target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, ttt_steps=cfg.ttt_steps,
-            norm_before_residual=True, norm_before_fc=True, norm_output=True, draft_attn_impl=attn_impl(device),
-            trust_remote_code=cfg.trust_remote_code)
-        return _dense_masks(model).to(device)
-    mask_token_id = cfg.mask_token_id
-    if mask_token_id is None:
-        mask_token_id = load_tokenizer(verifier, cfg.trust_remote_code).mask_token_id
-    if mask_token_id is None:
-        raise InputError(f"the tokenizer of {verifier} has no mask token", "pass --mask-token-id")
-    heads = dict(markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
-                 enable_confidence_head=cfg.enable_confidence_head,
-                 confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head,
-                 ) if cfg.speculator_type == "dspark" else {
-        # speculators trains full-attention draft layers bidirectionally whatever this says, but vLLM 0.32 reads a
-        # DFlash config's `causal = not sliding_window_non_causal` for every layer: served causal, every block
-        # but its first slot would see less than in training (measured: fewer drafts accepted than our loop)
-        "sliding_window_non_causal": True}
-    model = KINDS[cfg.speculator_type].model_class.from_training_args(
+    model = kind.model_class.from_training_args(
         verifier_config=layer_cfg, t2d=t2d, d2t=d2t, verifier_name_or_path=verifier,
-        target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, block_size=cfg.block_size,
-        sample_from_anchor=cfg.sample_from_anchor,  # False: DFlash's layout, what vLLM's `method: dflash` serves
-        mask_token_id=mask_token_id, draft_attn_impl=attn_impl(device), trust_remote_code=cfg.trust_remote_code,
-        **heads)
+        target_layer_ids=cfg.target_layer_ids, draft_vocab_size=draft_vocab, draft_attn_impl=attn_impl(device),
+        trust_remote_code=cfg.trust_remote_code, **kind.training_args(cfg, lambda: mask_token_id(cfg)))
     return _dense_masks(model).to(device)
 
 
@@ -112,19 +101,8 @@ def loss_kwargs(model, cfg: TrainConfig, device: torch.device) -> dict:
 
 
 def model_inputs(cfg: TrainConfig, batch: dict) -> dict:
-    """A packed batch as the drafter's forward takes it.
-
-    EAGLE-3 pairs each token with the verifier's state one position before it: speculators'
-    `eagle3.data.shift_batch`, applied per document of the packed batch (row j: token x_{i+1},
-    state g_i, target and loss mask of i+1; a document's last state has no successor and goes).
-    """
-    if cfg.speculator_type != "eagle3":
-        return batch
-    doc = batch["document_ids"][0]
-    keep = doc[:-1] == doc[1:]
-    before, after = (lambda x: x[:, :-1][:, keep]), (lambda x: x[:, 1:][:, keep])  # noqa: E731
-    return {"hidden_states": before(batch["hidden_states"]), "document_ids": before(batch["document_ids"]),
-            **{k: after(batch[k]) for k in ("verifier_last_hidden_states", "input_ids", "loss_mask", "position_ids")}}
+    """A packed batch as the drafter's forward takes it (the kind's `model_inputs`: EAGLE-3 shifts it)."""
+    return KINDS[cfg.speculator_type].model_inputs(batch)
 
 
 def _muon_param(name: str, p: torch.Tensor) -> bool:
