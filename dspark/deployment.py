@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dspark.connector.config import MasterConfig
 from dspark.extract.config import ExtractConfig, LaunchConfig
-from dspark.prepare import PrepareConfig
+from dspark.data.prepare import PrepareConfig
 from dspark.train.config import TrainConfig
 
 SECTIONS = {"prepare": PrepareConfig, "extract": ExtractConfig, "launch-vllm": LaunchConfig,

@@ -44,7 +44,8 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
 def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True,
            logger: str = ALWAYS) -> dict:
     """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `logger` names some."""
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
+    from dspark.connector.registry import store_backend
     from dspark.train.loop import Trainer
 
     rd = RunDir(run)
@@ -58,9 +59,9 @@ def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress:
     cfg = TrainConfig.from_dict({"val_state_gain": False, **rec["train"]})
     if store:
         cfg.store = store
-    # A live run's cache is a Zarr store too: replays read it only, never the live store.
-    cfg.source = "zarr"
-    fp = ZarrStore(cfg.store).fingerprint()
+    # A live run's cache is a store at rest too: replays read it only, never the live store.
+    cfg.source = store_backend(cfg.source).name
+    fp = open_store(cfg.store, cfg.source).fingerprint()
     if fp != rec["store_fingerprint"]:
         raise StoreMismatch(f"store {cfg.store} is not the one run {run} trained on (content fingerprint "
                             f"{fp[:12]} != recorded {rec['store_fingerprint'][:12]})",

@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from dspark.errors import DsparkError, InputError
-from dspark.hub import local_model
+from dspark.verifier.hub import local_model
 
 
 RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"  # vLLM's switch between its model runners V1 and V2 (vllm/envs.py)

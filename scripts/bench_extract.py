@@ -37,7 +37,7 @@ from dspark.connector.zarr.writer import ZarrSink
 from dspark.extract.runner import plan_batches
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 
 WARMUP_SAMPLES = 4
 
@@ -104,7 +104,7 @@ def _interleaved(repeats: int, arms: dict) -> dict[str, list[float]]:
 
 def _vllm_worker(args, data, batches, warmup) -> float:
     """One arm in this process: build the engine, warm it up, return the seconds of the timed batches."""
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.base import open_engine
     from dspark.vllm_server import cpu_env
 
@@ -123,7 +123,8 @@ def _vllm_worker(args, data, batches, warmup) -> float:
             def run(batch):
                 llm.generate([{"prompt_token_ids": t.tolist()} for _, t in batch], params, use_tqdm=False)
         else:
-            sinks = SinkConfig(to="zarr", store=str(root / "store"), prepared_fingerprint=data.fingerprint)
+            sinks = SinkConfig(to="zarr", zarr=ZarrConfig(store=str(root / "store")),
+                               prepared_fingerprint=data.fingerprint)
             engine = open_engine("vllm", model=args.model, target_layer_ids=args.target_layer_ids, sinks=sinks)
             manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint,
                                           dtype=engine.dtype_name)

@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.connector.base import Sample
+from dspark.connector.base import Sample, Source, open_store
 from dspark.connector.manifest import StoreManifest, default_chunk_tokens
-from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 from dspark.train.data import Loader, TrainData
 
 from bench_store import drop_page_cache  # a sibling script (scripts/ is on sys.path when run)
@@ -49,7 +48,7 @@ def make_prepared(root: Path, n: int, T: int) -> PreparedData:
     return PreparedData(root)
 
 
-def make_store(root: Path, prepared: PreparedData, hidden: int, layers: int) -> ZarrStore:
+def make_store(root: Path, prepared: PreparedData, hidden: int, layers: int) -> Source:
     m = StoreManifest(verifier_name="bench", verifier_config_hash="-", tokenizer_hash="bench",
                       target_layer_ids=list(range(1, layers)), num_hidden_layers=layers, hidden_size=hidden,
                       dtype="bfloat16", prepared_fingerprint=prepared.fingerprint,
@@ -62,7 +61,7 @@ def make_store(root: Path, prepared: PreparedData, hidden: int, layers: int) -> 
         x[..., :: 512] *= 50  # outlier channels
         sink.write(Sample(i, ids, x.to(torch.bfloat16)))
     sink.close()
-    return ZarrStore(root)
+    return open_store(root)
 
 
 def run(data: TrainData, rate: float, workers: int, prefetch: int) -> tuple[float, float, float, float]:

@@ -113,9 +113,9 @@ def synthetic(manifest: StoreManifest, size_mb: float, budget_mb: float, max_sam
 
 
 def from_source(source: str, samples: int, join: int):
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    z = ZarrStore(source)
+    z = open_store(source)
     stored = list(z.iter_samples(z.sample_ids[: samples * join]))
     return z.manifest, [Sample(i, np.concatenate([s.token_ids for s in group]),
                                torch.cat([s.hidden_states for s in group]))

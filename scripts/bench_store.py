@@ -189,9 +189,9 @@ def open_reader(layout: str, scratch: Path):
         from safetensors.torch import load
 
         return lambda i: load((scratch / f"{i}.safetensors").read_bytes())["hidden_states"]
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    store = ZarrStore(scratch)
+    store = open_store(scratch)
     return lambda i: store.read(i).hidden_states
 
 
@@ -254,9 +254,9 @@ def make_samples(args, path: Path) -> tuple[int, list[str]]:
     rng = np.random.default_rng(0)
     if args.source:
         sys.path.insert(0, str(ROOT))
-        from dspark.connector.zarr.reader import ZarrStore
+        from dspark.connector.base import open_store
 
-        got = list(ZarrStore(args.source).iter_samples())
+        got = list(open_store(args.source).iter_samples())
         T = min(len(s.token_ids) for s in got)
         hidden = np.stack([s.hidden_states[:T].contiguous().view(__import__("torch").uint16).numpy() for s in got])
         tokens = np.stack([s.token_ids[:T] for s in got])

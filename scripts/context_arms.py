@@ -81,9 +81,9 @@ def run(name, cfg, model_hook=None, opt_hook=None):
 
 def massive(model, cfg, ratio=10.0):
     """fc starts blind to the massive channels: their columns zeroed (RMS over 20 samples, position 0 left out)."""
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    s = ZarrStore(cfg.store)
+    s = open_store(cfg.store)
     layers = [s.manifest.target_layer_ids.index(i) for i in cfg.target_layer_ids]
     h = torch.cat([s.read(i).hidden_states[1:, layers].float() for i in s.sample_ids[:20]])  # [N, L, H]
     rms = h.pow(2).mean(0).sqrt()  # [L, H]

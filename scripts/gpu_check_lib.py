@@ -45,9 +45,9 @@ def rel_l2(ref, other) -> float:
 def compare(args) -> None:
     import torch
 
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    ref, other = ZarrStore(args.ref), ZarrStore(args.other)
+    ref, other = open_store(args.ref), open_store(args.other)
     ids = other.sample_ids
     if not ids or not set(ids) <= set(ref.sample_ids) or (ids != ref.sample_ids and not args.subset):
         fail(f"{args.other} holds samples {ids[:8]}... ({len(ids)}), {args.ref} {ref.sample_ids[:8]}... ({len(ref)})")
@@ -166,7 +166,7 @@ def wait_ready_cmd(args) -> None:
 
 def completion(url: str, data: str, sample_id: int, timeout: float) -> dict:
     """POST one prepared sample as the trainer's live source does: token ids, sample id, fingerprint."""
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     model = json.loads(get(f"{url}/v1/models"))["data"][0]["id"]
     fingerprint = json.loads((Path(data) / "prepare.json").read_text())["fingerprint"]
@@ -188,7 +188,7 @@ def completion(url: str, data: str, sample_id: int, timeout: float) -> dict:
 def abort_probe(args) -> None:
     """The longest prepared sample, abandoned after `--abort-after` seconds (mid-prefill with a small token
     budget per step), then the shortest one whole: the server must stay up and serve it."""
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     data = PreparedData(args.data)
     lengths = {i: data.length(i) for i in range(len(data))}
@@ -214,9 +214,9 @@ def send(args) -> None:
 
 
 def absent_or_whole(args) -> None:
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    store, ref = ZarrStore(args.store), ZarrStore(args.ref)
+    store, ref = open_store(args.store), open_store(args.ref)
     sid = int(Path(args.id_file).read_text())
     if sid not in store:
         print(f"the aborted sample {sid} is absent from {args.store}")

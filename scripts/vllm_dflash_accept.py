@@ -49,12 +49,12 @@ from pathlib import Path
 
 from dspark.fsio import write_atomic
 from dspark.jsonio import dump_json
-from dspark.serve_draft import local_drafter
+from dspark.serving.serve_draft import local_drafter
 
 
 def prompts_from_prepared(path: str, count: int) -> list[list[int]]:
     """The first `count` samples of a prepared folder, up to their first supervised token."""
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     data = PreparedData(path)
     out = []

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
+from dspark.verifier.toy import ToySpec, build_toy_verifier, demo_chat_path
 
 LAYERS = [1, 3, 5]
 
@@ -68,7 +68,7 @@ def chat_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def prepared(verifier, chat_file, tmp_path_factory) -> Path:
-    from dspark.prepare import PrepareConfig, prepare
+    from dspark.data.prepare import PrepareConfig, prepare
 
     out = tmp_path_factory.mktemp("prepared") / "demo"
     prepare(PrepareConfig(model=str(verifier), data=str(chat_file), output=str(out), seq_length=256,
@@ -78,12 +78,12 @@ def prepared(verifier, chat_file, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def store(verifier, prepared, tmp_path_factory) -> Path:
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.config import ExtractConfig
     from dspark.extract.runner import run_extract
 
     out = tmp_path_factory.mktemp("stores") / "demo"
-    run_extract(ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(store=str(out)),
+    run_extract(ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(zarr=ZarrConfig(store=str(out))),
                               target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     return out
 
@@ -132,7 +132,7 @@ def prompt_ids(prepared: Path, n: int) -> list[list[int]]:
     """The first `n` prepared samples, each cut before its first supervised token: the prompt of its first reply."""
     import numpy as np
 
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     data = PreparedData(prepared)
     out = []

@@ -35,7 +35,7 @@ def test_a_no_anchor_run_trains_and_records_dflash_layout(no_anchor_run):
 
 
 def test_the_default_keeps_dspark_layout(store, prepared, verifier, tmp_path):
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
     from dspark.train.model import build_model
 
     import torch

@@ -186,6 +186,57 @@ def test_the_walker_sees_function_level_imports_and_private_names(tmp_path, monk
     assert private_uses(pkg / "c.py") == ["dspark/c.py:1: _hidden from dspark.a"]
 
 
+def backend_leaks(path: Path, backends: set[str]) -> list[str]:
+    """`file:line: what` for each place `path` builds a ZarrStore, imports the Zarr backend's modules, or compares
+    a value with a registered backend's name (`== "zarr"`, `"zarr" in ...`, `in ("live", "mooncake")`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    rel = path.relative_to(ROOT)
+
+    def names(node) -> set[str]:
+        if isinstance(node, ast.Constant) and node.value in backends:
+            return {node.value}
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return {e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in backends}
+        return set()
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and (getattr(node.func, "id", None) == "ZarrStore"
+                                           or getattr(node.func, "attr", None) == "ZarrStore"):
+            found.append(f"{rel}:{node.lineno}: ZarrStore(...)")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dspark.connector.zarr"):
+            found.append(f"{rel}:{node.lineno}: imports {node.module}")
+        elif isinstance(node, ast.Compare):
+            hit = set().union(*(names(x) for x in (node.left, *node.comparators)))
+            if hit:
+                found.append(f"{rel}:{node.lineno}: compares with {sorted(hit)}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_connector_builds_a_zarr_store_or_compares_a_backend_name():
+    """The storage seam: stores open through the registry (`open_store`), and callers ask a backend's descriptor
+    (`live`, `offline`, `at_rest`) instead of testing its name."""
+    from dspark.connector.registry import BACKENDS
+
+    connector = ROOT / "dspark" / "connector"
+    found = [leak for f in sources("dspark") if connector not in f.parents
+             for leak in backend_leaks(f, set(BACKENDS.names()))]
+    assert not found, "the storage seam leaks (ask the connector instead):\n" + "\n".join(found)
+
+
+def test_the_leak_walker_sees_calls_imports_and_every_kind_of_comparison(tmp_path, monkeypatch):
+    (tmp_path / "m.py").write_text(
+        "from dspark.connector.zarr.reader import ZarrStore\n"
+        "s = ZarrStore('x')\n"
+        "a = cfg.source != 'zarr'\n"
+        "b = 'zarr' in to.split(',')\n"
+        "c = k in ('live', 'mooncake')\n"
+        "d = cfg.source == 'other'\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [line.split(":")[1] for line in backend_leaks(tmp_path / "m.py", {"zarr", "mooncake"})] == \
+        ["1", "2", "3", "4", "5"]
+
+
 if __name__ == "__main__":
     for c in cycles(import_graph(sources("dspark"))):
         print("cycle:", " -> ".join(str(p.relative_to(ROOT)) for p in c))

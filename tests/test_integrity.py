@@ -16,10 +16,9 @@ import torch
 from conftest import LAYERS, run_cli, train_cfg
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
-from dspark.connector.zarr.verify import verify_store
 from dspark.connector.zarr.writer import ZarrSink
 from dspark.errors import DamagedSample, StoreError, StoreMismatch
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 from test_store import make_sample, manifest, write
 
 
@@ -87,7 +86,7 @@ def test_a_damaged_index_record_hides_nothing_after_it(tmp_path):
     assert store.sample_ids == [i for i in range(40) if i != 10]  # 29 records after the damaged one still read
     assert store.damaged_records == [(seg, 10 * INDEX_RECORD.size, 29)]
     assert all(store.damaged(i) is None for i in store.sample_ids)
-    found = verify_store(store)
+    found = store.verify()
     assert found.damaged_records == [(seg, 320, 29)] and found.problems == [
         "1 damaged index records: the samples they held may be missing"]
     proc = run_cli("store", "verify", tmp_path, "--no-progress", check=False)
@@ -144,7 +143,7 @@ def test_a_rewritten_copy_wins_over_the_damaged_one_and_healthy_segments_stay_un
     for i in range(30):
         assert torch.equal(store.read(i).hidden_states, make_sample(i).hidden_states)
         assert torch.equal(store.read(i, check=False).hidden_states, make_sample(i).hidden_states)
-    assert verify_store(store).problems == []
+    assert store.verify().problems == []
 
 
 def test_chunks_that_are_not_regular_files_or_too_long_are_damaged_samples_never_read_whole(tmp_path):
@@ -335,7 +334,7 @@ def test_repair_re_extracts_exactly_what_is_damaged_or_missing(store, prepared, 
 
 
 def test_extract_resume_re_extracts_lost_chunks_and_says_so(store, prepared, verifier, tmp_path):
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.config import ExtractConfig
     from dspark.extract.runner import run_extract
 
@@ -343,11 +342,11 @@ def test_extract_resume_re_extracts_lost_chunks_and_says_so(store, prepared, ver
     shutil.copytree(store, root)
     lost = in_chunk(ZarrStore(root), 1)
     chunk_file(root, segment(root), 1).unlink()
-    cfg = ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(store=str(root)),
+    cfg = ExtractConfig(model=str(verifier), data=str(prepared), sink=SinkConfig(zarr=ZarrConfig(store=str(root))),
                         target_layer_ids=LAYERS, batch_tokens=1024)
     out = run_extract(cfg, progress=False)
     assert out["repaired"] == len(lost) and out["extracted"] >= len(lost)
-    assert verify_store(ZarrStore(root), len(PreparedData(prepared))).problems == []
+    assert ZarrStore(root).verify(expected=len(PreparedData(prepared))).problems == []
     assert run_extract(cfg, progress=False)["extracted"] == 0
 
 
@@ -417,7 +416,7 @@ def other_verifier(verifier, tmp_path_factory) -> Path:
 
 def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_unless_accepted(
         store, prepared, verifier, other_verifier, tmp_path):
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.config import ExtractConfig
     from dspark.extract.runner import run_extract
     from dspark.train.loop import require_matching_store
@@ -435,7 +434,8 @@ def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_un
     assert f"store {root} was extracted with other verifier weights than {other_verifier}" in line
     assert "--accept-other-weights" in line
     with pytest.raises(StoreMismatch, match="other verifier weights"):
-        run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared), sink=SinkConfig(store=str(root)),
+        run_extract(ExtractConfig(model=str(other_verifier), data=str(prepared),
+                                  sink=SinkConfig(zarr=ZarrConfig(store=str(root))),
                                   target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     with pytest.raises(StoreMismatch, match="other verifier weights"):
         require_matching_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))

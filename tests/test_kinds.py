@@ -134,7 +134,7 @@ def test_greedy_decoding_with_a_dflash_drafter_is_the_verifiers_own_output(dflas
 
 
 def test_a_dflash_export_names_its_kind_and_is_served_as_dflash(dflash_run, verifier, prepared, tmp_path):
-    from dspark.serve_draft import ServeDraftConfig, choose
+    from dspark.serving.serve_draft import ServeDraftConfig, choose
 
     c, _ = dflash_run
     out = tmp_path / "export"
@@ -214,7 +214,7 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
 
 def test_an_eagle3_export_is_served_as_eagle3_and_refuses_teacher_forced_eval(eagle3_run, store, verifier, prepared,
                                                                                tmp_path):
-    from dspark.serve_draft import ServeDraftConfig, choose
+    from dspark.serving.serve_draft import ServeDraftConfig, choose
 
     c, _ = eagle3_run
     out = tmp_path / "export"

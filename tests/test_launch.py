@@ -70,7 +70,7 @@ def test_seed_command_line(model, tmp_path, entry, backend):
     assert {k: extra["mooncake"][k] for k in seed_mooncake} == seed_mooncake
     assert (extra["to"], SinkConfig.from_extra_config(extra).writer_threads) == (backend, 4)
     if zarr:
-        assert (extra["store"], extra["prepared_fingerprint"]) == (str(tmp_path / "store"), "abc123")
+        assert (extra["zarr"]["store"], extra["prepared_fingerprint"]) == (str(tmp_path / "store"), "abc123")
 
     cmd = plan["command"]  # no --host/--port given: vLLM's defaults (every interface, 8000)
     assert cmd[:6] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

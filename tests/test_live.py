@@ -29,7 +29,7 @@ from dspark.connector.mooncake.sink import MooncakeSink
 from dspark.connector.mooncake.wire import object_key, pack, sample_key
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.net import free_port
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
 

@@ -10,10 +10,10 @@ import pytest
 
 from conftest import LAYERS, run_cli, write_jsonl
 from dspark.errors import InputError
-from dspark.holdout import split
+from dspark.data.holdout import split
 from dspark.outputs import output_lock
-from dspark.prepare import PrepareConfig, prepare
-from dspark.regenerate import RegenerateConfig, regenerate
+from dspark.data.prepare import PrepareConfig, prepare
+from dspark.data.regenerate import RegenerateConfig, regenerate
 
 
 def snapshot(folder: Path) -> dict:
@@ -130,7 +130,7 @@ def test_an_output_path_of_the_wrong_kind_or_the_current_folder_is_one_line_befo
 def test_verifier_import_force_keeps_unrelated_files_and_a_concurrent_import_is_refused(tmp_path):
     from test_verifier_import import write_gguf
 
-    from dspark.verifier_import import import_gguf
+    from dspark.verifier.importer import import_gguf
 
     src = write_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"
@@ -189,10 +189,10 @@ def test_regenerate_on_a_full_disk_is_one_line_and_loses_nothing(tmp_path, tiny_
 def test_an_extract_whose_new_store_a_concurrent_extract_created_with_another_codec_is_refused(tmp_path, verifier,
                                                                                                 prepared, monkeypatch):
     import dspark.extract.runner as runner
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.connector.manifest import manifest_for_model
     from dspark.extract.config import ExtractConfig
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     store = tmp_path / "store"
     real = runner.open_engine
@@ -206,6 +206,7 @@ def test_an_extract_whose_new_store_a_concurrent_extract_created_with_another_co
     monkeypatch.setattr(runner, "open_engine", the_other_extract_creates_it_first)
     with pytest.raises(InputError, match=rf"store {store} was created with codec lz4, not zstd"):
         runner.run_extract(ExtractConfig(model=str(verifier), data=str(prepared), target_layer_ids=LAYERS,
-                                         sink=SinkConfig(store=str(store), codec="zstd"), batch_tokens=1024),
+                                         sink=SinkConfig(zarr=ZarrConfig(store=str(store), codec="zstd")),
+                                         batch_tokens=1024),
                            progress=False)
     assert not list((store / "segments").glob("*/index.bin"))  # it wrote nothing in the other codec

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from conftest import run_cli, write_jsonl
 from dspark.cli import main
 from dspark.errors import InputError
-from dspark.prepare import (PrepareConfig, PreparedData, load_tokenizer, parse_role_map, prepare, read_conversations,
+from dspark.data.prepare import (PrepareConfig, PreparedData, load_tokenizer, parse_role_map, prepare, read_conversations,
                              tokenize_conversation)
 
 CONV = [{"role": "system", "content": "Be brief."},
@@ -415,7 +415,7 @@ def _end_of(records, ascii=True) -> int:
 def chunk(request, monkeypatch):
     """The array reader's buffer: the whole file at once, or so small that records span many reads."""
     if request.param:
-        monkeypatch.setattr("dspark.prepare._ARRAY_CHUNK", request.param)
+        monkeypatch.setattr("dspark.data.prepare._ARRAY_CHUNK", request.param)
 
 
 def test_a_json_array_cut_mid_record_yields_every_complete_record_and_counts_the_cut(verifier, chunk, tmp_path):

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, write_jsonl
-from dspark.decode import longbench
-from dspark.decode.prompts import LONG_BUCKETS, context_bucket, later_turns, load_prompt_set, parse_spec
+from dspark.data import longbench
+from dspark.data.prompts import LONG_BUCKETS, context_bucket, later_turns, load_prompt_set, parse_spec
 from dspark.errors import InputError
-from dspark.prepare import PrepareConfig, load_tokenizer, prepare
-from dspark.toy import build_tokenizer, demo_chat_path
+from dspark.data.prepare import PrepareConfig, load_tokenizer, prepare
+from dspark.verifier.toy import build_tokenizer, demo_chat_path
 
 SYSTEM, USER = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 plus 2?"}
 REPLY = {"role": "assistant", "content": "2 plus 2 is 4."}
@@ -163,7 +163,7 @@ def test_specs_and_buckets(tmp_path):
 
 
 def test_toy_verifier_context_length_is_configurable(tmp_path):
-    from dspark.toy import ToySpec, build_toy_verifier
+    from dspark.verifier.toy import ToySpec, build_toy_verifier
 
     spec = ToySpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, steps=1,
                    batch_size=2, seq_len=16, max_position_embeddings=16384)

@@ -18,7 +18,7 @@ import pytest
 from conftest import run_cli
 from dspark import files
 from dspark.errors import InputError
-from dspark.prepare import MAX_CONVERSATION_CHARS, read_conversations
+from dspark.data.prepare import MAX_CONVERSATION_CHARS, read_conversations
 
 AS_LIMIT = 1 << 30  # a CLI run reading a bomb gets 1 GiB of address space: the old readers died in MemoryError
 
@@ -82,7 +82,7 @@ def test_a_gzip_stream_inflating_past_its_ratio_is_refused_before_it_is_all_infl
 
 
 def test_a_long_line_or_array_record_of_a_plain_file_is_refused_naming_its_line(tmp_path, monkeypatch):
-    import dspark.prepare as prepare
+    import dspark.data.prepare as prepare
 
     monkeypatch.setattr(files, "MAX_LINE_BYTES", 1000)
     monkeypatch.setattr(prepare, "_ARRAY_CHUNK", 256)  # a record spanning chunks: held until it ends
@@ -97,7 +97,7 @@ def test_a_long_line_or_array_record_of_a_plain_file_is_refused_naming_its_line(
 
 
 def test_whitespace_between_json_array_records_is_skipped_as_it_streams(tmp_path, monkeypatch):
-    import dspark.prepare as prepare
+    import dspark.data.prepare as prepare
 
     monkeypatch.setattr(prepare, "_ARRAY_CHUNK", 4096)
     gap = " \n" * (2 << 20)  # 4 MiB of space between two records: the old reader held all of it
@@ -136,8 +136,8 @@ def test_json_nested_100k_deep_is_one_line_naming_the_file(tmp_path, case):
 
 
 def test_deep_json_in_prepare_and_in_every_prompt_format_is_one_line(tmp_path, verifier):
-    from dspark.decode.prompts import load_prompt_set
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import load_prompt_set
+    from dspark.data.prepare import load_tokenizer
 
     deep = tmp_path / "deep.jsonl"
     deep.write_text(DEEP_RECORD + "\n")
@@ -171,7 +171,7 @@ def _naive_overlap(texts, users, min_chars):
 
 
 def test_exclude_matching_keeps_its_rule_exactly():
-    from dspark.holdout import MIN_OVERLAP_CHARS, ExcludeIndex
+    from dspark.data.holdout import MIN_OVERLAP_CHARS, ExcludeIndex
 
     rng = random.Random(0)
     alphabet = "ab \0"  # few letters: many partial matches, texts at every length around MIN_OVERLAP_CHARS
@@ -186,7 +186,7 @@ def test_exclude_matching_keeps_its_rule_exactly():
 
 
 def test_exclude_of_8k_prompts_against_8k_conversations_takes_seconds(tmp_path):
-    from dspark.holdout import split
+    from dspark.data.holdout import split
 
     rng = random.Random(1)
     vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(3000)]
@@ -226,8 +226,8 @@ def test_a_conversation_too_long_to_tokenize_is_dropped_by_reason_before_templat
 
 
 def test_a_prompt_too_long_to_tokenize_is_dropped_by_reason(tmp_path, verifier):
-    from dspark.decode.prompts import load_prompt_set
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import load_prompt_set
+    from dspark.data.prepare import load_tokenizer
 
     path = tmp_path / "humaneval.jsonl"
     rows = [{"task_id": "t/0", "prompt": "def f():\n"},
@@ -262,7 +262,7 @@ def test_a_gguf_array_claiming_2_to_the_40_entries_is_one_line_at_once(tmp_path)
 
 
 def test_a_gguf_string_longer_than_the_file_is_refused(tmp_path):
-    from dspark.verifier_import import check_gguf_metadata
+    from dspark.verifier.importer import check_gguf_metadata
 
     def length(raw, at):  # general.name: value type STRING, then its length
         assert struct.unpack_from("<I", raw, at)[0] == 8

@@ -12,7 +12,7 @@ import pytest
 from conftest import fit, run_cli, train_cfg
 from dspark.errors import InputError
 from dspark.eval.teacher_forced import run_eval
-from dspark.regenerate import RegenerateConfig, regenerate
+from dspark.data.regenerate import RegenerateConfig, regenerate
 from dspark.replay import replay
 from dspark.train.loop import Trainer
 from test_train import train_argv

@@ -14,7 +14,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from dspark.connector.config import SinkConfig
+from dspark.connector.config import SinkConfig, ZarrConfig
 from dspark.connector.producer import MAX_DATA_SETS, Producer
 from dspark.errors import InputError
 from dspark.extract.serve import ExtractionService, ServeLimits, make_server
@@ -29,8 +29,8 @@ MODEL_MAX = 4096  # the toy verifier's max_position_embeddings
 def parts(verifier, tmp_path_factory):
     engine = TransformersEngine(verifier, LAYERS)
     store = tmp_path_factory.mktemp("serve") / "store"
-    producer = Producer(SinkConfig(to="zarr", store=str(store), prepared_fingerprint="p"), str(verifier), LAYERS,
-                        engine.dtype_name)
+    producer = Producer(SinkConfig(to="zarr", zarr=ZarrConfig(store=str(store)), prepared_fingerprint="p"),
+                        str(verifier), LAYERS, engine.dtype_name)
     yield engine, producer
     producer.close()
 

@@ -15,7 +15,7 @@ from dspark.settings import build
 from dspark.decode.config import PromptLookupConfig
 from dspark.errors import InputError
 from dspark.export.folder import export
-from dspark.serve_draft import ServeDraftConfig, choose, plan
+from dspark.serving.serve_draft import ServeDraftConfig, choose, plan
 from dspark.vllm_server import RUNNER_ENV, server_info
 
 

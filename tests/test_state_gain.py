@@ -21,9 +21,9 @@ from dspark.decode.drafter import Drafter
 from dspark.decode.loop import autoregressive
 from dspark.decode.verifier import Verifier
 from dspark.eval.teacher_forced import run_eval
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 from dspark.train.blocks import control_states, documents, score, with_donors
-from dspark.verifier import VerifierInfo
+from dspark.verifier.info import VerifierInfo
 
 
 def rewrite_states(store: Path, out: Path, states) -> Path:

@@ -99,10 +99,11 @@ def test_the_segment_records_the_engine_its_sink_config_names_through_vllms_extr
     """The vLLM engine's runner and version reach its workers' sinks as JSON, and each segment they write keeps them."""
     import zarr
 
-    from dspark.connector.config import SinkConfig
+    from dspark.connector.config import SinkConfig, ZarrConfig
 
     engine = {"vllm_version": "0.33.0", "vllm_model_runner": "v2"}
-    cfg = SinkConfig.from_extra_config(SinkConfig(store=str(tmp_path), segment_attrs=engine).to_extra_config())
+    written = SinkConfig(zarr=ZarrConfig(store=str(tmp_path), segment_attrs=engine))
+    cfg = SinkConfig.from_extra_config(written.to_extra_config())
     sink = cfg.open(manifest())
     sink.write(make_sample(0))
     sink.close()
@@ -398,7 +399,7 @@ def test_a_writer_with_other_verifier_weights_is_refused_unless_accepted_and_the
 
 def test_the_weights_hash_sees_every_byte_and_refuses_a_weight_file_that_is_not_regular(tmp_path):
     from dspark.errors import InputError
-    from dspark.fingerprint import weights_hash
+    from dspark.verifier.fingerprint import weights_hash
 
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(b"\0" * 3_000_000)

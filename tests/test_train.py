@@ -494,7 +494,7 @@ def test_an_error_in_the_step_while_the_loaders_queue_is_full_ends_the_loop_at_o
     import threading
 
     from dspark.connector.zarr.reader import ZarrStore
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
     from dspark.train.data import Loader, TrainData
 
     data = TrainData(ZarrStore(store), PreparedData(prepared), 512, 0.9, 0)  # nothing kept: read on a thread

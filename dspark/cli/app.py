@@ -47,7 +47,7 @@ def warn(line: str) -> None:
 
 def local(model: str | None) -> str | None:
     """A verifier as given (a folder, or a hub id in the Hugging Face cache) as the folder commands read."""
-    from dspark.hub import local_model
+    from dspark.verifier.hub import local_model
 
     return str(local_model(model)) if model else model
 

@@ -7,12 +7,12 @@ from dataclasses import replace
 import click
 
 from dspark.cli.app import Progress, command, echo_json, local, main
-from dspark.decode.longbench import LongBenchConfig
-from dspark.holdout import HoldoutConfig
-from dspark.prepare import PrepareConfig
-from dspark.regenerate import RegenerateConfig
-from dspark.toy import ToyVerifierConfig
-from dspark.verifier_import import ImportConfig
+from dspark.data.longbench import LongBenchConfig
+from dspark.data.holdout import HoldoutConfig
+from dspark.data.prepare import PrepareConfig
+from dspark.data.regenerate import RegenerateConfig
+from dspark.verifier.toy import ToyVerifierConfig
+from dspark.verifier.importer import ImportConfig
 
 
 @command(main, "toy-verifier", ToyVerifierConfig)
@@ -20,7 +20,7 @@ def toy_verifier(cfg: ToyVerifierConfig):
     """Build a tiny pre-trained Qwen3 verifier + chat tokenizer, offline."""
     from pathlib import Path
 
-    from dspark.toy import build_toy_verifier
+    from dspark.verifier.toy import build_toy_verifier
 
     echo_json(build_toy_verifier(Path(cfg.output), cfg.spec))
 
@@ -38,7 +38,7 @@ def verifier_import(cfg: ImportConfig):
     (`smollm2-135m-instruct`). Rerunning a finished import writes nothing."""
     from pathlib import Path
 
-    from dspark.verifier_import import import_gguf
+    from dspark.verifier.importer import import_gguf
 
     echo_json(import_gguf(cfg.source, Path(cfg.output), dtype=cfg.dtype, force=cfg.force))
 
@@ -48,9 +48,9 @@ def longbench(cfg: LongBenchConfig):
     """Write a LongBench-format prompt file from local text, for `dspark eval --decode --prompts`."""
     from pathlib import Path
 
-    from dspark.decode.longbench import generate, read_texts
-    from dspark.prepare import load_tokenizer
-    from dspark.toy import demo_chat_path
+    from dspark.data.longbench import generate, read_texts
+    from dspark.data.prepare import load_tokenizer
+    from dspark.verifier.toy import demo_chat_path
 
     corpus = [t for path in (cfg.texts or [demo_chat_path()]) for t in read_texts(Path(path))]
     echo_json(generate(corpus, load_tokenizer(local(cfg.model)), Path(cfg.output), list(cfg.lengths),
@@ -62,7 +62,7 @@ def holdout(cfg: HoldoutConfig):
     """Split chat data into training and held-out prompts; no prompt text is in both (duplicates dropped)."""
     from pathlib import Path
 
-    from dspark.holdout import split
+    from dspark.data.holdout import split
 
     echo_json(split(Path(cfg.data), Path(cfg.train), Path(cfg.heldout_output), cfg.heldout, cfg.seed,
                     [Path(p) for p in cfg.exclude], cfg.force))
@@ -75,7 +75,7 @@ def prepare(cfg: PrepareConfig):
     Conversations that cannot be trained on (empty, system-only, no assistant turn, an unknown
     role, too few supervised tokens) are dropped and counted by reason in the summary.
     """
-    from dspark.prepare import prepare as run
+    from dspark.data.prepare import prepare as run
 
     summary = run(replace(cfg, model=local(cfg.model)))
     status = "up to date, nothing to do" if summary.pop("up_to_date") else "written"
@@ -97,7 +97,7 @@ def regenerate(cfg: RegenerateConfig, shown: Progress):
     First assistant turn only; resumable and crash-safe (rerun the same command); a summary is
     printed and saved as OUTPUT.summary.json. Run from .venv-vllm for --engine vllm.
     """
-    from dspark.regenerate import regenerate as run
+    from dspark.data.regenerate import regenerate as run
 
     summary = run(replace(cfg, model=local(cfg.model)), progress=not shown.no_progress)
     click.echo(f"regenerate {summary['output']}: {summary['note']}", err=True)

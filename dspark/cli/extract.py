@@ -29,8 +29,8 @@ def serve(cfg: ServeConfig):
     from dspark.connector.producer import Producer
     from dspark.extract.serve import ExtractionService, make_server
     from dspark.extract.transformers_engine import TransformersEngine
-    from dspark.hub import model_name
-    from dspark.prepare import PreparedData
+    from dspark.verifier.hub import model_name
+    from dspark.data.prepare import PreparedData
 
     model = local(cfg.model)
     engine = TransformersEngine(model, cfg.target_layer_ids, cfg.device, cfg.dtype, cfg.trust_remote_code)
@@ -84,42 +84,22 @@ def store():
 @command(store, "info", StorePath)
 def store_info(cfg: StorePath):
     """Samples, tokens, raw vs on-disk bytes, ratio and the manifest."""
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
 
-    echo_json(ZarrStore(cfg.path).info())
+    echo_json(open_store(cfg.path).info())
 
 
 @command(store, "verify", StoreCheck, Progress)
 def store_verify(cfg: StoreCheck, shown: Progress):
     """Read every sample back against its checksum, report damaged index records and, with --data,
     missing samples; non-zero exit on any of them."""
-    from dspark.connector.zarr.reader import ZarrStore
-    from dspark.connector.zarr.verify import verify_store
-    from dspark.errors import StoreError, repair_command
-    from dspark.prepare import PreparedData
+    from dspark.connector.base import open_store
+    from dspark.data.prepare import PreparedData
 
-    path, data = cfg.path, cfg.data
-    s = ZarrStore(path)
-    prepared = PreparedData(data) if data else None
-    if prepared:
-        s.manifest.require_match(path, f"pass --data the prepared folder the store was extracted from ({data} is other "
-                                 "prepared data)", prepared_fingerprint=prepared.fingerprint)
-    found = verify_store(s, len(prepared) if prepared else None, progress=not shown.no_progress)
-    for i in sorted(found.damaged)[:20]:
-        click.echo(f"sample {i}: {found.damaged[i]}", err=True)
-    for seg, off, after in found.damaged_records[:20]:
-        click.echo(f"segment {seg}: index record {off // 32} (byte {off}) is damaged; the {after} valid records "
-                   "after it are read", err=True)
-    if found.missing:
-        click.echo(f"missing: {len(found.missing)} of {len(prepared)} prepared samples, first {found.missing[:20]}",
-                   err=True)
-    if found.problems:
-        raise StoreError(f"store {path}: " + "; ".join(found.problems),
-                         f"{repair_command(path, data)} re-extracts exactly these samples"
-                         + ("" if prepared else " (and `store verify --data` names the missing ones)"))
-    note = "" if prepared else " (not compared with the prepared data: pass --data to find missing samples)"
-    click.echo(f"ok: {len(s)} samples verified in {path}" + (f", all {len(prepared)} prepared samples present"
-                                                             if prepared else note))
+    s = open_store(cfg.path)
+    prepared = PreparedData(cfg.data) if cfg.data else None
+    click.echo(s.check(len(prepared) if prepared else None, prepared.fingerprint if prepared else None, cfg.data,
+                       progress=not shown.no_progress, say=lambda line: click.echo(line, err=True)))
 
 
 @command(store, "repair", RepairConfig, Progress)

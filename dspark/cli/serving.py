@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import click
 
-from dspark.bench.run import BenchConfig
+from dspark.serving.bench.run import BenchConfig
 from dspark.cli.app import Progress, command, main, warn
 from dspark.cli.options import config_file_option, configs, options
-from dspark.serve_draft import ServeDraftConfig
+from dspark.serving.serve_draft import ServeDraftConfig
 from dspark.settings import setting
 
 
@@ -21,8 +21,8 @@ def bench(cfg: BenchConfig, shown: Progress):
     Works against any vLLM deployment (GPU or CPU); --compare-endpoint sends the same prompts to a
     second server (e.g. without speculative decoding) for the speedup. Writes OUTPUT/bench.json/.md/.png.
     """
-    from dspark.bench.report import markdown
-    from dspark.bench.run import run_bench
+    from dspark.serving.bench.report import markdown
+    from dspark.serving.bench.run import run_bench
 
     result, out = run_bench(cfg, progress=not shown.no_progress, warn=warn)
     click.echo(markdown(result))
@@ -42,7 +42,7 @@ class PrintOnly:
 def serve_draft(vllm_args, **kw):
     """Serve the verifier in vLLM with an exported drafter (the speculative config its layout needs), n-gram
     drafts, or none: what `dspark bench` measures. Run it from the environment that has vLLM (.venv-vllm)."""
-    from dspark.serve_draft import serve_draft as run
+    from dspark.serving.serve_draft import serve_draft as run
 
     cfg, shown = configs(kw, ServeDraftConfig, PrintOnly)
     sys.exit(run(cfg, list(vllm_args), shown.print_only))

@@ -33,21 +33,34 @@ Source lifecycle (shared by the loader's reader threads)
                    down; past its own budget it raises) or until `stop` is set; True when reading
                    the batch again may give samples. Default: False at once (waiting cannot help).
     close()        releases what the source holds; called exactly once.
+
+A store at rest (an offline source, opened by `open_store`) also answers, for resume, repair and
+`dspark store`; a live source holds nothing at rest, and the defaults say so (nothing missing or damaged):
+    missing(ids)   the ids of `ids` it does not hold
+    damaged(id)    None if that sample reads back intact, else what is wrong (reads it whole)
+    verify(...)    a VerifyReport: every sample read back (thorough) or the cheap check a resume can
+                   afford (nothing decoded), damaged index entries, and the expected ids it lacks
+    check(...)     `dspark store verify`: verify, say each problem, raise naming the repair, or the ok line
+    repaired(r)    every sample report `r` found damaged or missing is stored again (`store repair`)
+    info()         what `dspark store info` prints
 """
 
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.registry import SINKS
+from dspark.connector.registry import SINKS, SOURCES, store_backend
+from dspark.errors import StoreError, repair_command
 
 
 @dataclass
@@ -155,6 +168,41 @@ def close_all(sinks: list[Sink]) -> None:
         raise errors[0]
 
 
+@dataclass
+class VerifyReport:
+    """What verifying a store found; `problems` is empty for a store that holds everything intact."""
+
+    samples: int = 0  # sample ids the store holds
+    damaged: dict[int, str] = field(default_factory=dict)  # id -> what is wrong, of samples no copy of which reads back
+    damaged_records: list[tuple] = field(default_factory=list)  # damaged index entries not repaired: each may hide one
+    repaired_records: int = 0  # damaged index entries a `dspark store repair` made good
+    missing: list[int] | None = None  # expected ids the store lacks; None: not compared (no prepared data given)
+    expected: int | None = None  # how many samples it should hold, when known
+
+    @property
+    def problems(self) -> list[str]:
+        out = []
+        if self.damaged:
+            out.append(f"{len(self.damaged)} of {self.samples} samples are damaged (first: {sorted(self.damaged)[:5]})")
+        if self.missing:
+            out.append(f"{len(self.missing)} prepared samples are missing (first: {self.missing[:5]})")
+        if self.damaged_records and self.missing is None:
+            out.append(f"{len(self.damaged_records)} damaged index records: the samples they held may be missing")
+        return out
+
+    def lines(self, most: int = 20) -> list[str]:
+        """One line per problem found (up to `most` of each kind), as `dspark store verify` says them."""
+        out = [f"sample {i}: {self.damaged[i]}" for i in sorted(self.damaged)[:most]]
+        out += [self.record_line(r) for r in self.damaged_records[:most]]
+        if self.missing:
+            out.append(f"missing: {len(self.missing)} of {self.expected} prepared samples, first {self.missing[:most]}")
+        return out
+
+    def record_line(self, record: tuple) -> str:
+        """A damaged index entry, as its backend names it."""
+        return f"index entry {record} is damaged"
+
+
 class Source(ABC):
     manifest: StoreManifest
     location: str
@@ -181,6 +229,49 @@ class Source(ABC):
     def close(self) -> None:
         """Nothing held by default."""
 
+    # --- a store at rest (the defaults: a live source, which keeps nothing it could lack or damage) ---
+    def missing(self, ids: Iterable[int]) -> list[int]:
+        """The ids of `ids` it does not hold, in their order."""
+        return []
+
+    def damaged(self, sample_id: int) -> str | None:
+        """None if the sample reads back intact, else what is wrong."""
+        return None
+
+    def verify(self, ids: Iterable[int] | None = None, expected: int | None = None, *, thorough: bool = True,
+               workers: int = 4, progress: bool = False) -> VerifyReport:
+        """Every sample held (or `ids`) read back against its checksum, or with `thorough=False` only what a
+        resume can afford (nothing decoded); damaged index entries; given `expected` (the prepared data's
+        count), the ids in range(expected) it lacks."""
+        return VerifyReport(missing=None if expected is None else [], expected=expected)
+
+    def check(self, expected: int | None = None, prepared_fingerprint: str | None = None, data: str | None = None,
+              progress: bool = False, say: Callable[[str], None] = print) -> str:
+        """`dspark store verify`: the store must hold `prepared_fingerprint`'s samples (when given); every
+        problem `verify` finds is said (`say`), then a StoreError naming the repair; else the ok line."""
+        where = self.location
+        if prepared_fingerprint is not None:
+            self.manifest.require_match(where, f"pass --data the prepared folder the store was extracted from ({data} "
+                                        "is other prepared data)", prepared_fingerprint=prepared_fingerprint)
+        found = self.verify(expected=expected, progress=progress)
+        for line in found.lines():
+            say(line)
+        if found.problems:
+            raise StoreError(f"store {where}: " + "; ".join(found.problems),
+                             f"{repair_command(where, data)} re-extracts exactly these samples"
+                             + ("" if expected is not None else " (and `store verify --data` names the missing ones)"))
+        if expected is None:
+            return (f"ok: {found.samples} samples verified in {where} (not compared with the prepared data: pass "
+                    "--data to find missing samples)")
+        return f"ok: {found.samples} samples verified in {where}, all {expected} prepared samples present"
+
+    def repaired(self, found: VerifyReport) -> None:
+        """Every sample `found` named damaged or missing is stored again: the damage it found hides nothing now."""
+
+    def info(self) -> dict:
+        """What `dspark store info` prints."""
+        return {"store": self.location, "samples": len(self.sample_ids)}
+
 
 class PromptSet(Protocol):
     """What a live source needs of prepared data (prepare's `PreparedData` is one)."""
@@ -202,3 +293,9 @@ def open_sink(spec: str, **options) -> Sink:
         close_all(sinks)
         raise
     return sinks[0] if len(sinks) == 1 else TeeSink(sinks)
+
+
+def open_store(path: str | Path, via: str | None = None) -> Source:
+    """The store at rest in folder `path`, opened for reading: the one backend `via` (a --from or --to name)
+    keeps its samples in (its own store, or a live source's cache); without `via`, the offline backend's."""
+    return SOURCES[store_backend(via).name](store=path)

@@ -1,4 +1,4 @@
-"""The connector's settings: where samples go (SinkConfig), the Mooncake client, and live reads.
+"""The connector's settings: where samples go (SinkConfig), each backend's own (ZarrConfig, MooncakeConfig), live reads.
 
 A vLLM worker process builds its sinks from `kv_connector_extra_config` (SinkConfig as JSON)
 plus what vLLM already knows (model, dtype, layer ids), so it needs nothing else of dspark's
@@ -8,12 +8,13 @@ pipeline. Torch-free: the command line builds its options from these classes at 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Literal
 
 from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.errors import InputError
-from dspark.connector.registry import SINK_MODULES, parse_names
-from dspark.settings import setting
+from dspark.connector.registry import BACKENDS, SINKS
+from dspark.settings import build, setting
 
 
 MASTER_PORT = 50051  # Mooncake's own default
@@ -92,43 +93,103 @@ ACCEPT_OTHER_WEIGHTS = ("Write into a store extracted with a verifier of other w
 
 
 @dataclass
+class ZarrConfig:
+    """The Zarr store a sink writes into (`--store`, `--codec`, `--chunk-tokens`): the settings of Zarr alone."""
+
+    store: str | None = setting(None, "Zarr store folder (created or resumed); default with `dspark extract`: "
+                                      "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
+    codec: Codec | None = setting(
+        None, f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
+              "stores larger: README, Performance). An existing store keeps its own.")
+    chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
+    rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
+    # what the engine that extracts is (vLLM's version and model runner): recorded on each segment it writes
+    segment_attrs: dict[str, str] = setting(factory=dict, cli=False)
+    accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
+
+    def existing_manifest(self):
+        """The manifest of the store in `store`, if there is one; refused if --codec names another codec than
+        the one it was created with (a store keeps it: the sink writes in the store's codec, whatever --codec says)."""
+        from dspark.connector.manifest import StoreManifest, codec_named
+
+        if not (self.store and (Path(self.store) / "manifest.json").exists()):
+            return None
+        existing = StoreManifest.load(Path(self.store))
+        if self.codec and existing.codec != codec_named(self.codec):
+            raise InputError(f"store {self.store} was created with codec {existing.codec.name}, not {self.codec}: "
+                             "a store keeps the codec it was created with",
+                             f"drop --codec to extend it, or pass a new --store for {self.codec}")
+        return existing
+
+
+@dataclass
 class SinkConfig:
-    """Where extracted samples go: `dspark extract`'s and `dspark serve`'s sink flags, and vLLM's extra config."""
+    """Where extracted samples go: `dspark extract`'s and `dspark serve`'s sink flags, and vLLM's extra config.
+
+    `to` names the sinks; each backend's own settings sit under its name (`zarr`, `mooncake`: one field per
+    registered backend), and the rest is the store identity every sink shares (the manifest).
+    """
 
     to: str = setting("zarr", "Sink(s): zarr, mooncake or zarr,mooncake (--hidden-states-backend is the seed's "
                               "name).", flags=("--to", "--hidden-states-backend"))
-    store: str | None = setting(None, "Zarr store folder (created or resumed); default with `dspark extract`: "
-                                      "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
+    zarr: ZarrConfig = setting(factory=ZarrConfig, prefixed=False)  # the seed's names: --store, not --zarr-store
     # Pins the store identity to one prepared data set. Live requests carry their own in
     # kv_transfer_params, so a Mooncake-only server serves any data set of its verifier.
     prepared_fingerprint: str | None = setting(None, cli=False)
     verifier_name: str | None = setting(None, "Name recorded in the manifest (default: folder name).")
     encoding: Literal["raw", "fp8_e4m3"] = setting(
         "raw", "Store fp8 e4m3 with a scale per token and layer (half of bf16).", flags=("--fp8",), switch="fp8_e4m3")
-    codec: Codec | None = setting(
-        None, f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
-              "stores larger: README, Performance). An existing store keeps its own.")
-    chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
-    flush_interval_s: float = setting(0.5, cli=False)  # longest a finished sample waits in a partial Zarr chunk
-    rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
-    # what the engine that extracts is (vLLM's version and model runner): recorded on each Zarr segment it writes
-    segment_attrs: dict[str, str] = setting(factory=dict, cli=False)
-    accept_other_weights: bool = setting(False, ACCEPT_OTHER_WEIGHTS, negatable=False)
+    # The vLLM connector flushes its sinks this often: the longest a finished sample waits in a partial Zarr chunk.
+    flush_interval_s: float = setting(0.5, cli=False)
     mooncake: MooncakeConfig = setting(factory=MooncakeConfig)
 
     def __post_init__(self):
-        parse_names(self.to, SINK_MODULES, "--to")  # before a launcher hands an unknown name to vLLM's workers
+        SINKS.parse(self.to)  # before a launcher hands an unknown name to vLLM's workers
+
+    @property
+    def _at_rest(self):
+        """The config of the offline sink `to` names (the one writing into a store folder), or None."""
+        offline = [n for n in SINKS.parse(self.to) if BACKENDS[n].offline]
+        return getattr(self, offline[0]) if offline else None
 
     @property
     def needs_store(self) -> bool:
-        """A Zarr sink writes into a store folder, bound to one prepared data set."""
-        return "zarr" in self.to.split(",")
+        """An offline sink writes into a store folder, bound to one prepared data set."""
+        return self._at_rest is not None
+
+    @property
+    def store(self) -> str | None:
+        """The store folder the offline sink writes into (None: no such sink, or not given yet)."""
+        return self._at_rest.store if self.needs_store else None
+
+    @property
+    def accept_other_weights(self) -> bool:
+        return bool(self.needs_store and self._at_rest.accept_other_weights)
+
+    def with_store(self, store: str | None) -> SinkConfig:
+        """These sinks, the offline one writing into `store`."""
+        if not self.needs_store:
+            return self
+        name = next(n for n in SINKS.parse(self.to) if BACKENDS[n].offline)
+        return replace(self, **{name: replace(self._at_rest, store=store)})
 
     def require_store(self, data: str | None) -> None:
-        """A Zarr sink needs its store folder and the prepared data it holds (the store's identity)."""
+        """An offline sink needs its store folder and the prepared data it holds (the store's identity)."""
         if self.needs_store and not (self.store and data):
             raise InputError("writing to a Zarr store needs --store and --data (the prepared folder it holds)",
                              "pass both, or use --to mooncake")
+
+    def existing_manifest(self):
+        """The manifest of the store the offline sink writes into, if one exists (its own checks applied)."""
+        return self._at_rest.existing_manifest() if self.needs_store else None
+
+    def open_store(self):
+        """The store the offline sink writes into, read back as it is now (None: no such sink, or no store yet)."""
+        from dspark.connector.base import open_store
+
+        if not (self.needs_store and self.store and (Path(self.store) / "manifest.json").exists()):
+            return None
+        return open_store(self.store, next(n for n in SINKS.parse(self.to) if BACKENDS[n].offline))
 
     @property
     def writer_threads(self) -> int:
@@ -136,28 +197,46 @@ class SinkConfig:
         return self.mooncake.writer_threads
 
     def for_data(self, prepared_fingerprint: str | None, rewrite=()) -> SinkConfig:
-        """These sinks bound to one prepared data set."""
-        return replace(self, prepared_fingerprint=prepared_fingerprint, rewrite=sorted(rewrite))
+        """These sinks bound to one prepared data set, writing the stored copies of `rewrite` again."""
+        return replace(self, prepared_fingerprint=prepared_fingerprint,
+                       zarr=replace(self.zarr, rewrite=sorted(rewrite)))
+
+    def recording(self, attrs: dict[str, str]) -> SinkConfig:
+        """These sinks, recording `attrs` (what the extracting engine is) on what they store (a Zarr segment's)."""
+        return replace(self, zarr=replace(self.zarr, segment_attrs=dict(attrs)))
+
+    @classmethod
+    def rewriting(cls, store: str, manifest, accept_other_weights: bool = False) -> SinkConfig:
+        """The sink that writes into the existing store `store` (of `manifest`) again, in its own layout: a repair."""
+        return cls(to="zarr", verifier_name=manifest.verifier_name, encoding=manifest.encoding,
+                   zarr=ZarrConfig(store=store, chunk_tokens=manifest.chunk_tokens,
+                                   accept_other_weights=accept_other_weights))
+
+    def manifest(self, model: str, target_layer_ids: list[int], prepared_fingerprint: str, dtype: str | None = None,
+                 trust_remote_code: bool = False):
+        """The store identity these sinks write samples of `model` under (manifest.py's `manifest_for_model`)."""
+        from dspark.connector.manifest import manifest_for_model
+
+        return manifest_for_model(model, target_layer_ids, prepared_fingerprint, self.encoding, self.zarr.chunk_tokens,
+                                  self.verifier_name, dtype, trust_remote_code, self.zarr.codec)
 
     def open(self, manifest):
-        """The one sink factory: the sinks `to` names, for samples of `manifest` (a tee when several)."""
+        """The one sink factory: the sinks `to` names, for samples of `manifest` (a tee when several); each
+        backend's factory gets its own config, under its name."""
         from dspark.connector.base import open_sink  # the backends load at first use, not with the settings
 
-        return open_sink(self.to, store=self.store, manifest=manifest, mooncake=self.mooncake, rewrite=self.rewrite,
-                         accept_other_weights=self.accept_other_weights, segment_attrs=self.segment_attrs)
+        return open_sink(self.to, manifest=manifest, **{name: getattr(self, name) for name in BACKENDS})
 
     def to_extra_config(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_extra_config(cls, extra: dict) -> SinkConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise InputError(f"unknown dspark connector setting(s) {unknown}",
-                             f"kv_connector_extra_config takes {sorted(known)}")
-        mooncake = MooncakeConfig(**extra.get("mooncake", {}))
-        return cls(**{**extra, "mooncake": mooncake})
+        """What `to_extra_config` wrote (nested per backend); an unknown key, at any depth, is one line."""
+        if not isinstance(extra, dict):
+            raise InputError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}",
+                             f"pass SinkConfig's settings: {sorted(f.name for f in fields(cls))}")
+        return build(cls, extra, "kv_connector_extra_config")
 
 
 @dataclass

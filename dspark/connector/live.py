@@ -42,7 +42,6 @@ import numpy as np
 
 from dspark.connector.config import LiveConfig
 from dspark.connector.base import PromptSet, Sample, Source
-from dspark.connector.registry import register_source
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.errors import CorruptObject, MooncakeError, ProducerFailed
 from dspark.connector.mooncake.reader import MooncakeReader
@@ -336,6 +335,6 @@ class TieredSource(Source):
                 return
 
 
-@register_source("mooncake")
-def _open_live_source(*, store: str, manifest: StoreManifest, prompts: PromptSet, live: LiveConfig, **_) -> TieredSource:
+def open_source(*, store: str, manifest: StoreManifest, prompts: PromptSet, live: LiveConfig, **_) -> TieredSource:
+    """The SOURCES factory (registry.py): the live source, caching into the store folder `store`."""
     return TieredSource(store, manifest, prompts, live)

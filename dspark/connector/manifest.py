@@ -15,10 +15,10 @@ from dspark.connector.checksum import Kind as ChecksumKind
 from dspark.connector.encoding import bytes_per_token
 from dspark.errors import InputError, StoreError, StoreMismatch
 from dspark.files import FileRefused, read_bounded
-from dspark.fingerprint import model_config_hash, tokenizer_hash, weights_hash
+from dspark.verifier.fingerprint import model_config_hash, tokenizer_hash, weights_hash
 from dspark.fsio import write_new
-from dspark.hub import model_name
-from dspark.verifier import VerifierInfo
+from dspark.verifier.hub import model_name
+from dspark.verifier.info import VerifierInfo
 
 FORMAT_VERSION = 1
 MANIFEST_BYTES = 1 << 20  # the most a manifest.json may hold (one is ~1 KB): a bigger one is not read
@@ -31,7 +31,7 @@ IDENTITY_FIELDS = ("format_version", "verifier_config_hash", "tokenizer_hash", "
 
 
 class Codec(BaseModel):
-    """Blosc (a standard zarr v3 codec) settings; chosen by measurement, see README."""
+    """Blosc (a standard zarr v3 codec) settings; chosen by measurement, see docs/performance.md."""
 
     model_config = ConfigDict(frozen=True)
     cname: str = "zstd"

@@ -18,7 +18,7 @@ from numbers import Integral
 
 from dspark.connector.base import Sink, close_all
 from dspark.connector.config import SinkConfig
-from dspark.connector.manifest import StoreManifest, manifest_for_model
+from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.wire import sample_key, transfer_params
 from dspark.errors import InputError
 
@@ -51,10 +51,8 @@ class Producer:
                 if len(self._manifests) >= MAX_DATA_SETS:
                     raise InputError(f"this extractor already writes {len(self._manifests)} data sets, the most "
                                      f"one process takes", "start another extractor for more data sets")
-                c = self.config
-                self._manifests[prepared_fingerprint] = manifest_for_model(
-                    self._model, self._layers, prepared_fingerprint, c.encoding, c.chunk_tokens, c.verifier_name,
-                    self._dtype, self._trc, c.codec)
+                self._manifests[prepared_fingerprint] = self.config.manifest(
+                    self._model, self._layers, prepared_fingerprint, self._dtype, self._trc)
             return self._manifests[prepared_fingerprint]
 
     def plan(self, request_id: str, params: dict | None, num_tokens: int) -> Planned:

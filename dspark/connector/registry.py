@@ -1,77 +1,70 @@
-"""Registry (name -> factory, each backend loaded at its first lookup), and the sink and source registries.
+"""The backends by name (BACKENDS), and the sink and source registries made from them (dspark.registry's one class).
 
-Torch-free and free of the backends themselves: settings validate names against the module tables here
-without importing Zarr, Mooncake or torch. The engines' registry is extract/base.py's ENGINES.
+A backend is one descriptor here: its name, its settings class (SinkConfig holds one under the backend's
+name), the factories opening its sink and its source, and whether it keeps samples at rest. Every path
+is imported at its first use, so this module is torch-free and free of the backends themselves: settings
+validate `--to`/`--from` against these without importing Zarr, Mooncake or torch. A new backend is a
+folder with its config, sink and source, plus its one line in `_BACKENDS`.
+
+Callers never compare a backend's name: they ask its descriptor (`live`, `offline`, `at_rest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from dataclasses import dataclass
 
-from dspark.errors import InputError
-
-
-def parse_names(spec: str, known, flag: str) -> list[str]:
-    """`zarr,mooncake` as its names, each one of `known`; else one line naming the unknown ones."""
-    names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if not names or unknown:
-        raise InputError(f"unknown {flag} value(s) {unknown or spec!r}",
-                         f"use one or more of {sorted(known)}, comma-separated")
-    return names
+from dspark.registry import Registry
 
 
-# The backends by name, and the module registering each (its registry imports it at its first lookup).
-SINK_MODULES = {"zarr": "dspark.connector.zarr.writer", "mooncake": "dspark.connector.mooncake.sink"}
-SOURCE_MODULES = {"zarr": "dspark.connector.zarr.reader", "mooncake": "dspark.connector.live"}
+@dataclass(frozen=True)
+class Backend:
+    """What dspark knows of a backend before importing it.
 
-
-class Registry(dict):
-    """Name -> factory; registering a name twice is a bug, not an override.
-
-    The backends register themselves when their module is imported, and a registry imports
-    them (`backends`: name -> module) at its first lookup, not before: reading a config or
-    loading our connector into vLLM does not pay for every backend's imports.
+    An offline backend's config has `store` (the folder), `accept_other_weights` and `existing_manifest()`;
+    its source answers `missing`, `damaged`, `verify` and `repaired` (base.py's Source says what each does).
     """
 
-    def __init__(self, kind: str, flag: str, backends: dict[str, str] | None = None):
-        super().__init__()
-        self.kind, self.flag, self._backends = kind, flag, dict(backends or {})
+    name: str
+    config: str  # "module:Class": its settings, torch-free (the command line builds its options from them)
+    sink: str  # "module:function" opening its sink: (manifest=..., <name>=its config, ...); each takes its own
+    source: str  # "module:function" opening its source: (store=..., manifest=..., prompts=..., live=...)
+    offline: bool  # samples at rest in a folder, all there before a run starts: resumed, verified, repaired, replayed
+    at_rest: str  # the offline backend whose store holds what its source read: itself, or a live source's cache
 
-    def _load(self) -> None:
-        import importlib
+    @property
+    def live(self) -> bool:
+        """Samples arrive as they are read (a live source fetches what it lacks, then caches it)."""
+        return not self.offline
 
-        while self._backends:
-            importlib.import_module(self._backends.popitem()[1])
-
-    def register(self, name: str):
-        def deco(factory: Callable):
-            if dict.__contains__(self, name):
-                raise ValueError(f"{self.kind} {name!r} is registered twice ({self[name]} and {factory})")
-            self[name] = factory
-            return factory
-        return deco
-
-    def __getitem__(self, name: str):
-        self._load()
-        return super().__getitem__(name)
-
-    def __contains__(self, name) -> bool:
-        self._load()
-        return super().__contains__(name)
-
-    def __iter__(self):
-        self._load()
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        self._load()
-        return super().__len__()
-
-    def parse(self, spec: str) -> list[str]:
-        return parse_names(spec, self, self.flag)
+    @property
+    def config_class(self) -> type:
+        module, _, attr = self.config.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
-SINKS = Registry("sink", "--to", SINK_MODULES)
-SOURCES = Registry("source", "--from", SOURCE_MODULES)
-register_sink, register_source = SINKS.register, SOURCES.register
+_BACKENDS = (
+    Backend("zarr", "dspark.connector.config:ZarrConfig", "dspark.connector.zarr.writer:open_sink",
+            "dspark.connector.zarr.reader:open_source", offline=True, at_rest="zarr"),
+    Backend("mooncake", "dspark.connector.config:MooncakeConfig", "dspark.connector.mooncake.sink:open_sink",
+            "dspark.connector.live:open_source", offline=False, at_rest="zarr"),  # its source caches into a store
+)
+BACKENDS: Registry[Backend] = Registry("backend", "--to/--from")
+for _b in _BACKENDS:
+    BACKENDS.register(_b.name, _b)
+SINKS = Registry("sink", "--to", {b.name: b.sink for b in _BACKENDS})
+SOURCES = Registry("source", "--from", {b.name: b.source for b in _BACKENDS})
+
+
+def is_live(name: str | None) -> bool:
+    """Whether `name` (a recorded --from, possibly absent or of a backend no longer here) is a live backend."""
+    return isinstance(name, str) and name in BACKENDS and BACKENDS[name].live
+
+
+def store_backend(via: str | None = None) -> Backend:
+    """The offline backend whose store holds what backend `via` kept (itself, or a live source's cache);
+    without `via`, the one offline backend (a `dspark store` command is given a folder only)."""
+    if via is not None:
+        return BACKENDS[BACKENDS[via].at_rest]
+    (offline,) = [b for _, b in BACKENDS.items() if b.offline]  # a second one would need telling apart here
+    return offline

@@ -49,7 +49,7 @@ from dspark.connector.base import Sample, Sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.producer import Producer
 from dspark.errors import InputError
-from dspark.hub import local_model
+from dspark.verifier.hub import local_model
 
 log = logging.getLogger("dspark.vllm")
 

@@ -101,7 +101,7 @@ def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_
 
     from dspark.train.blocks import Blocks, score_with_controls, sums, with_donors
     from dspark.train.data import Loader
-    from dspark.train.loop import input_dtype, to_device
+    from dspark.train.device import input_dtype, to_device
     from dspark.train.metrics import accumulate, reduce
 
     B = model.block_size
@@ -290,13 +290,13 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     named (`on_damaged="skip"`) or stop it ("raise")."""
     import sys
 
-    from dspark.connector.zarr.reader import ZarrStore
+    from dspark.connector.base import open_store
     from dspark.kinds import kind_of
-    from dspark.prepare import PreparedData
+    from dspark.data.prepare import PreparedData
     from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
     from dspark.train.data import TrainData
-    from dspark.train.loop import pick_device
+    from dspark.train.device import pick_device
 
     ckpt = require_checkpoint(checkpoint)
     dev = pick_device(device, 0)
@@ -317,7 +317,7 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     if not kind.blocks:
         raise InputError(f"{ckpt} is an {kind.title} drafter: teacher-forced eval scores the blocks of DFlash-family "
                          "drafters", "measure it by decoding: `dspark eval --decode` or `dspark compare`")
-    source = ZarrStore(store)
+    source = open_store(store, cfg.source)  # a live run's cache, or the store it read
     data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
                      cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None,
                      layers=model.target_layer_ids)  # the drafter's layers, of the store's

@@ -18,6 +18,7 @@ import math
 import re
 from pathlib import Path
 
+from dspark.connector.registry import is_live
 from dspark.eval.report import EVAL_DIR
 from dspark.export.commands import extract_command, prepare_command, shell_word, train_command, wrap_words
 from dspark.export.provenance import Provenance, provenance, read_json, step_of
@@ -160,10 +161,9 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
     sc = config.get("speculators_config", {})
     tl = config.get("transformer_layer_config", {}) or {}
     kind = kind_of(config, "the drafter's config")
-    block = kind.name != "eagle3"  # the DFlash family drafts a block of slots
+    block = kind.blocks  # the DFlash family drafts a block of slots
     anchor = config.get("sample_from_anchor", True)
     method = (sc.get("proposal_methods") or [{}])[0]
-    rank = config.get("markov_rank", 0)
     verifier_vocab = tl.get("vocab_size") or (p.prepared or {}).get("vocab_size")
     draft_vocab = config.get("draft_vocab_size")
     vocab = f"{draft_vocab}" + (f" of the verifier's {verifier_vocab}" if verifier_vocab else "") + \
@@ -183,14 +183,10 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("Algorithm", f"{sc.get('algorithm', kind.name)} (speculators "
                       f"`{(config.get('architectures') or ['?'])[0]}`: {kind.summary})"),
         *([("Block size", str(config.get("block_size", "?")))] if block else []),
-        ("Speculative tokens", str(method.get("speculative_tokens", "?"))
-         + ("" if block else " (its training-time test steps; vLLM may draft more)")),
+        ("Speculative tokens", str(method.get("speculative_tokens", "?")) + kind.tokens_note),
         *([("sample_from_anchor", "true (the anchor slot predicts the first draft token)" if anchor
             else "false (the anchor is the bonus token; the mask slots predict)")] if block else []),
-        *([("Markov head", f"rank {rank}, `{config.get('markov_head_type', '?')}`" if rank else "none (rank 0)"),
-           ("Confidence head", ("yes" + (", with the Markov head" if config.get("confidence_head_with_markov") else
-                                         ", without the Markov head")) if config.get("enable_confidence_head")
-            else "no")] if kind.name == "dspark" else []),
+        *kind.card_rows(config),  # the kind's own (DSpark's heads)
         ("Draft vocabulary", vocab),
         ("Draft decoder layers", decoder),
         ("Hidden size", hidden),
@@ -200,17 +196,6 @@ def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
         ("speculators version", str(config.get("speculators_version", "?"))),
     ]
     return rows
-
-
-def weight_count(weights: Path) -> int | None:
-    """The parameters in a drafter's weights file (its vocabulary maps d2t/t2d are not parameters)."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(weights), "pt") as f:
-            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
-    except Exception:  # noqa: BLE001  (a figure for the card, never a reason to fail the export)
-        return None
 
 
 def _training(p: Provenance, ckpt: Path, verifier: str) -> list[str]:
@@ -255,7 +240,7 @@ def _training(p: Provenance, ckpt: Path, verifier: str) -> list[str]:
                            "data fingerprint above")
     else:
         out.append("# dspark prepare: its settings were not found (see below)")
-    if t.get("source") == "mooncake":
+    if is_live(t.get("source")):
         out.append("")
         if (t.get("live") or {}).get("endpoint"):
             out.append("# hidden states were generated during training by an extraction server at <endpoint>")
@@ -332,6 +317,8 @@ def _acceptance(ckpt: Path, p: Provenance, known: dict[str, str]) -> tuple[list[
 
 def render(ckpt: Path, config: dict, verifier: str, export_dir: Path) -> tuple[str, list[tuple[Path, str]]]:
     """The card for checkpoint `ckpt` (resolved) with its exported `config`, and the figures to copy beside it."""
+    from dspark.train.checkpoint import weight_count  # torch: the card's module stays light for the CLI
+
     p = provenance(ckpt)
     tokens = (config.get("speculators_config", {}).get("proposal_methods") or [{}])[0].get("speculative_tokens", 8)
     anchor = config.get("sample_from_anchor", True)
@@ -355,9 +342,9 @@ def render(ckpt: Path, config: dict, verifier: str, export_dir: Path) -> tuple[s
               "`/drafter`:", "",
               "```bash", docker_command(verifier, "<export>", tokens, method), "```", ""]
     lines += [f"> {'**' if anchor else ''}{w}{'**' if anchor else ''}" for w in warning] + [""] * bool(warning)
-    if not anchor and method == "dspark":
+    for other in kind.also_served_by(config):  # a DSpark drafter in DFlash's layout: `method: dflash` too
         lines += ["```bash", f"vllm serve {verifier} --speculative-config "
-                  f"'{speculative_config('<drafter>', tokens, 'dflash')}'", "```", ""]
+                  f"'{speculative_config('<drafter>', tokens, other)}'", "```", ""]
     acceptance, copies = _acceptance(ckpt, p, known)
     training = _training(p, ckpt, verifier)
     text = "\n".join(lines + acceptance + training).rstrip() + "\n"

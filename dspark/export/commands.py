@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dspark.codec import CODECS, DEFAULT_CODEC
 from dspark.export.provenance import Provenance
-from dspark.hub import model_name
+from dspark.verifier.hub import model_name
 
 # Train settings that name a place on this machine or network, shown as placeholders.
 TRAIN_PLACES = {"data_path": "<prepared>", "verifier_name_or_path": "<verifier>", "save_path": "<run>",
@@ -102,11 +102,12 @@ def extract_command(p: Provenance) -> tuple[str, list[str]]:
     return wrap_words(words), unknown
 
 
-def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+def _flat(d: dict, groups: set[tuple[str, ...]], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    """A recorded config as leaf path -> value; `groups`: the paths of its nested configs (`live`, `live.mooncake`)."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k in ("live", "mooncake"):
-            out.update(_flat(v, (*prefix, k)))
+        if isinstance(v, dict) and (*prefix, k) in groups:
+            out.update(_flat(v, groups, (*prefix, k)))
         else:
             out[(*prefix, k)] = v
     return out
@@ -114,12 +115,15 @@ def _flat(d: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object
 
 def train_command(p: Provenance) -> str:
     """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
-    from dspark.settings import cli_leaves
-    from dspark.train.config import TrainConfig, unread_settings
+    from dspark.kinds import DEFAULT_KIND, KINDS
+    from dspark.connector.registry import is_live
+    from dspark.settings import cli_leaves, leaves
+    from dspark.train.config import TrainConfig
 
-    values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"})
-    live = values.get(("source",)) == "mooncake"
-    unread = unread_settings(values.get(("speculator_type",), "dspark"))
+    groups = {leaf.path[:i] for leaf in leaves(TrainConfig) for i in range(1, len(leaf.path))}
+    values = _flat({k: v for k, v in (p.train or {}).items() if k != "tracking"}, groups)
+    live = is_live(values.get(("source",)))
+    unread = KINDS[values.get(("speculator_type",), DEFAULT_KIND)].unread_settings()
     world = int((p.record or {}).get("world_size") or 1)
     head = f"torchrun --nproc_per_node {world} scripts/train.py" if world > 1 else "dspark train"
     words = [head]

@@ -27,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from dspark.errors import DsparkError, InputError
 from dspark.extract.config import LaunchConfig
-from dspark.hub import local_model
+from dspark.verifier.hub import local_model
 from dspark.settings import add_arguments, parsed_config
-from dspark.verifier import VerifierInfo
+from dspark.verifier.info import VerifierInfo
 from dspark.vllm_server import cpu_env, flag_name, health_url, offline_env, owned_flags, run_server
 
 CONNECTOR = {"kv_connector": "DsparkHiddenStatesConnector", "kv_connector_module_path": "dspark.connector.vllm",
@@ -109,7 +108,7 @@ def sink_config(cfg: LaunchConfig) -> dict:
     # Absolute: the configs --print-only shows stay right when run from another folder.
     store = str(Path(cfg.sink.store).resolve()) if cfg.sink.store else None
     fingerprint = _fingerprint(cfg.data) if cfg.data else None
-    return replace(cfg.sink, store=store).for_data(fingerprint).to_extra_config()
+    return cfg.sink.with_store(store).for_data(fingerprint).to_extra_config()
 
 
 def build_plan(cfg: LaunchConfig, vllm_flags: list[str]) -> dict:

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from dspark.connector.manifest import StoreManifest, codec_named, default_store, manifest_for_model
+from dspark.connector.manifest import default_store
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
+from dspark.connector.base import open_store
 from dspark.connector.config import SinkConfig
 from dspark.extract.config import ExtractConfig
-from dspark.fingerprint import tokenizer_hash
-from dspark.prepare import PreparedData
+from dspark.verifier.fingerprint import tokenizer_hash
+from dspark.data.prepare import PreparedData
 
 
 def plan_batches(data: PreparedData, batch_tokens: int, max_batch_size: int) -> list[list[int]]:
@@ -51,30 +51,13 @@ def parse_shard(spec: str) -> tuple[int, int]:
     return i, n
 
 
-def _existing_store(out: SinkConfig) -> bool:
-    return bool(out.store and out.needs_store and (Path(out.store) / "manifest.json").exists())
-
-
 def _stored_damage(out: SinkConfig) -> tuple[dict[int, str], int]:
-    """(stored samples whose chunk files are missing or truncated, damaged index records) of an existing store."""
-    from dspark.connector.zarr.reader import ZarrStore
-    from dspark.connector.zarr.verify import repaired_records
-
-    if not _existing_store(out):
+    """(stored samples found damaged without decoding any, damaged index records not repaired) of an existing store."""
+    existing = out.open_store()
+    if existing is None:
         return {}, 0
-    existing = ZarrStore(out.store)
-    return existing.chunk_damage(), len({r[:2] for r in existing.damaged_records} - repaired_records(out.store))
-
-
-def _require_codec(out: SinkConfig) -> StoreManifest | None:
-    """The manifest of the store `out` writes to, if one exists; refused if --codec names another codec than the
-    one it was created with (a store keeps it: the sink writes in the store's codec, whatever --codec says)."""
-    existing = StoreManifest.load(Path(out.store)) if _existing_store(out) else None
-    if existing and out.codec and existing.codec != codec_named(out.codec):
-        raise InputError(f"store {out.store} was created with codec {existing.codec.name}, not {out.codec}: a "
-                         "store keeps the codec it was created with",
-                         f"drop --codec to extend it, or pass a new --store for {out.codec}")
-    return existing
+    found = existing.verify(thorough=False)  # the cheap check: a few bytes a chunk, nothing decoded
+    return found.damaged, len(found.damaged_records)
 
 
 def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, str] | None = None) -> dict:
@@ -88,11 +71,11 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     data = PreparedData(cfg.data)
     out = cfg.sink
     if out.store is None and out.needs_store:
-        out = replace(out, store=default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
+        out = out.with_store(default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
     if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
-    existing = _require_codec(out)
+    existing = out.existing_manifest()  # refuses a --codec other than the store's
     if existing and existing.require_match(  # before the model loads; the sink checks again
             out.store, "use a new --store folder, or the verifier it was made from", verifier=cfg.model,
             accept_other_weights=out.accept_other_weights):
@@ -113,13 +96,13 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     engine = open_engine(cfg.engine, model=cfg.model, target_layer_ids=cfg.target_layer_ids, sinks=sinks,
                          device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
                          prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
-    manifest = manifest_for_model(cfg.model, cfg.target_layer_ids, data.fingerprint, out.encoding, out.chunk_tokens,
-                                  out.verifier_name, engine.dtype_name, cfg.trust_remote_code, out.codec)
+    manifest = sinks.manifest(cfg.model, cfg.target_layer_ids, data.fingerprint, engine.dtype_name,
+                              cfg.trust_remote_code)
 
     sink = sinks.open(manifest)
     tokens, t0 = 0, time.perf_counter()
     try:
-        _require_codec(out)  # again: a concurrent extract may have created the store since, with another codec
+        out.existing_manifest()  # again: a concurrent extract may have created the store since, with another codec
         todo = [b for b in batches if not all(sink.has(i) for i in b)]
         total = sum(len(b) for b in todo)
         done_before = sum(len(b) for b in batches) - total
@@ -137,11 +120,9 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
         finally:
             sink.close()
     elapsed = time.perf_counter() - t0
-    if (engine.writes_elsewhere or rewrite) and out.store and out.needs_store:  # check, never assume
-        from dspark.connector.zarr.reader import ZarrStore
-
-        stored = ZarrStore(out.store)
-        missing = [i for b in todo for i in b if i not in stored]
+    if (engine.writes_elsewhere or rewrite) and out.needs_store:  # check, never assume
+        stored, ids = out.open_store(), [i for b in todo for i in b]
+        missing = ids if stored is None else stored.missing(ids)  # None: nothing was stored at all
         if missing:
             raise StoreError(f"{len(missing)} of {total} samples were not stored (first: {missing[:5]})",
                              "see the log above for the failed writes, then rerun the same command: it extracts "
@@ -160,35 +141,30 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
                accept_other_weights: bool = False) -> dict:
     """Re-extract exactly the damaged and missing samples of a store into a new segment.
 
-    Reads every sample back (`verify_store`), then runs the extraction with the
+    Reads every sample back (its source's `verify`), then runs the extraction with the
     store's own layers, encoding, chunking and dtype, rewriting only those ids; the
     batches are planned as `dspark extract` plans them, so with the original
     --batch-tokens/--max-batch-size the new copies are byte-identical on CPU. A verifier with
     other weights than the store's is refused before anything is read, unless accepted.
     """
-    from dspark.connector.zarr.reader import ZarrStore
-    from dspark.connector.zarr.verify import note_repair, verify_store
-
-    s = ZarrStore(store)
+    s = open_store(store)
     prepared = PreparedData(data)
     s.manifest.require_match(store, "pass --data the prepared folder the store was extracted from", verifier=model,
                              accept_other_weights=accept_other_weights, prepared_fingerprint=prepared.fingerprint)
-    found = verify_store(s, len(prepared), progress=progress)
+    found = s.verify(expected=len(prepared), progress=progress)
     todo = sorted(set(found.damaged) | set(found.missing))
     out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),
            "damaged_index_records": len(found.damaged_records), "re_extracted": todo[:100]}
     if todo:
         m = s.manifest
-        sinks = SinkConfig(store=store, encoding=m.encoding, chunk_tokens=m.chunk_tokens,
-                           verifier_name=m.verifier_name, accept_other_weights=accept_other_weights)
+        sinks = SinkConfig.rewriting(store, m, accept_other_weights)
         cfg = ExtractConfig(model=model, data=data, target_layer_ids=m.target_layer_ids, device=device, dtype=m.dtype,
                             batch_tokens=batch_tokens, max_batch_size=max_batch_size,
                             trust_remote_code=trust_remote_code, sink=sinks)
         out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
-    after = verify_store(ZarrStore(store), len(prepared), ids=todo)
+    after = open_store(store).verify(todo, len(prepared))
     if after.damaged or after.missing:
         raise StoreError(f"store {store} still has problems after the repair: " + "; ".join(after.problems),
                          f"see the log above, then rerun {repair_command(store, data, model)}")
-    if found.damaged_records:  # every sample is stored again: those records hide nothing any more
-        note_repair(store, found.damaged_records, found.missing)
+    s.repaired(found)  # every sample is stored again: the damage it found hides nothing any more
     return out

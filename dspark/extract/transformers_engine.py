@@ -16,8 +16,8 @@ import torch
 from dspark.connector.base import Sample, Sink
 from dspark.errors import InputError
 from dspark.extract.base import Engine
-from dspark.verifier import VerifierInfo
-from dspark.verifier_check import check_verifier_config
+from dspark.verifier.info import VerifierInfo
+from dspark.verifier.check import check_verifier_config
 
 
 def decoder_stack(model):

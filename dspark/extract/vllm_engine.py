@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ from dspark.errors import InputError
 from dspark.extract.base import Engine
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
 from dspark.vllm_server import RUNNER_ENV, cpu_env
-from dspark.verifier_check import check_verifier_config
+from dspark.verifier.check import check_verifier_config
 
 
 def expected_runner() -> str:
@@ -54,7 +53,7 @@ class VllmEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # the workers' sinks are built before vLLM has decided, so the record is what it will decide, checked below
         runner = expected_runner()
-        sinks = replace(sinks, segment_attrs={"vllm_version": __version__, "vllm_model_runner": runner})
+        sinks = sinks.recording({"vllm_version": __version__, "vllm_model_runner": runner})
         self.llm = LLM(model=str(model), dtype=dtype or "auto", trust_remote_code=trust_remote_code,
                        tensor_parallel_size=tensor_parallel_size,
                        speculative_config=speculative_config(

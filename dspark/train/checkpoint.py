@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import pickle
 import random
@@ -346,3 +347,14 @@ def load_trainer_state(ckpt: Path) -> dict:
                               "resumes from the newest checkpoint before it), or use a new --save-path") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise damaged(ckpt, f"trainer_state.pt: {first_line(e)}") from None
+
+
+def weight_count(weights: Path) -> int | None:
+    """The parameters in a drafter's weights file (its vocabulary maps d2t/t2d are not parameters)."""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), "pt") as f:
+            return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys() if k not in ("d2t", "t2d"))
+    except Exception:  # noqa: BLE001  (a figure for the card, never a reason to fail the export)
+        return None

@@ -32,7 +32,7 @@ import torch
 
 from dspark.connector.base import Sample, Source
 from dspark.errors import DamagedSample, InputError, StoreError, StoreMismatch, repair_command
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 
 log = logging.getLogger("dspark.data")
 ON_DAMAGED = ("skip", "raise")

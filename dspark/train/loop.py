@@ -26,20 +26,21 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Source
-from dspark.connector.registry import SOURCES
+from dspark.connector.registry import BACKENDS, SOURCES
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
-from dspark.fingerprint import tokenizer_hash
+from dspark.verifier.fingerprint import tokenizer_hash
 from dspark.kinds import KINDS
-from dspark.prepare import PreparedData
+from dspark.data.prepare import PreparedData
 from dspark.tracking.run import Tracking, flatten, require_installed
 from dspark.train.blocks import score_with_controls, state_gain, sums, with_donors
+from dspark.train.device import input_dtype, pick_device, to_device
 from dspark.train.checkpoint import RunDir, load_trainer_state, load_weights, rng_state, set_rng_state
 from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
 from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs, model_inputs
-from dspark.verifier import VerifierInfo
+from dspark.verifier.info import VerifierInfo
 
 
 @dataclass
@@ -70,15 +71,6 @@ def setup_distributed(device_kind: str) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device(name)
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -88,8 +80,9 @@ def seed_everything(seed: int) -> None:
 def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
     """The training data source named by --from: a Zarr store, or the live tiered source."""
     SOURCES.parse(cfg.source)
+    # a live source fetches samples of this identity; a store at rest reads its own
     manifest = manifest_for_model(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared.fingerprint,
-                                  trust_remote_code=cfg.trust_remote_code) if cfg.source != "zarr" else None
+                                  trust_remote_code=cfg.trust_remote_code) if BACKENDS[cfg.source].live else None
     return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=cfg.live)
 
 
@@ -112,19 +105,6 @@ def require_matching_store(source, cfg: TrainConfig) -> None:
 def versions() -> dict:
     pkgs = ("dspark", "torch", "speculators", "transformers", "zarr", "numpy")
     return {**{p: version(p) for p in pkgs}, "python": platform.python_version()}
-
-
-def input_dtype(model: torch.nn.Module, autocast: bool) -> torch.dtype:
-    """The dtype of a model's float inputs, decided here alone: bf16 under autocast (half the copy, and autocast's
-    ops take it), else the weights' own. A bf16 batch into fp32 weights without autocast fails at the first matmul
-    (eval's teacher-forced pass, `train --autocast off` on CUDA)."""
-    return torch.bfloat16 if autocast else next(model.parameters()).dtype
-
-
-def to_device(batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
-    """The batch on `device`, its float tensors in `dtype` (`input_dtype`'s)."""
-    return {k: v.to(device, dtype=dtype if v.is_floating_point() else v.dtype, non_blocking=True)
-            for k, v in batch.items()}
 
 
 class Trainer:

@@ -15,7 +15,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from dspark.connector.base import Sample, Sink
-from dspark.connector.registry import register_sink
 from dspark.connector.config import MooncakeConfig
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.client import GIB, MooncakeStore, log
@@ -154,6 +153,6 @@ class MooncakeSink(Sink):
             time.sleep(0.2)
 
 
-@register_sink("mooncake")
-def _make_mooncake_sink(*, manifest: StoreManifest, mooncake: MooncakeConfig | None = None, **_) -> MooncakeSink:
+def open_sink(*, manifest: StoreManifest, mooncake: MooncakeConfig | None = None, **_) -> MooncakeSink:
+    """The SINKS factory (registry.py): a live sink, publishing through the Mooncake master `mooncake` names."""
     return MooncakeSink(manifest, mooncake or MooncakeConfig())

@@ -22,7 +22,7 @@ import xxhash  # ~10x faster than zlib.crc32: the checksum must not be the live 
 from dspark.connector.base import Sample
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest
 from dspark.connector.mooncake.errors import CorruptObject
-from dspark.fingerprint import sha256_json
+from dspark.verifier.fingerprint import sha256_json
 
 TRANSFER_VERSION = 1  # hs_connectors' transfer-manifest version
 ALIGN = 64

@@ -24,7 +24,7 @@ Damage (a flipped byte, a lost or truncated chunk file, a damaged index record):
 - Index records are fixed-size and each carries its own CRC: a damaged record is
   skipped and counted (`damaged_records`), and every record after it still reads.
 - Every sample carries a checksum of its stored bytes (checksum.py: xxh3, or CRC32 in stores
-  from before); `read` checks it by default (a few percent of the decode time, see README),
+  from before); `read` checks it by default (a few percent of the decode time, see docs/performance.md),
   hashing each piece right after decoding it. A missing or truncated chunk
   file is caught by its length before it is decoded; a garbled one fails the
   checksum or the decode; either way the reader gets `DamagedSample`, never
@@ -96,6 +96,14 @@ def read_index(path: Path) -> tuple[list[tuple[int, int, int, int]], list[tuple[
         end = bad.pop()  # a zeroed tail
     # every record before `end` is either valid or damaged: count the valid ones after each damaged one
     return out, [(off, (end - off) // INDEX_RECORD.size - 1 - (len(bad) - k - 1)) for k, off in enumerate(bad)]
+
+
+def segment_indexes(root: Path):
+    """(segment, CRC-valid records, damaged records) of each segment of the store at `root`, in segment order:
+    `read_index` of each, and nothing else of the store read (not even its manifest)."""
+    seg_root = root / "segments"
+    for seg in sorted(p.name for p in seg_root.iterdir()) if seg_root.exists() else []:
+        yield seg, *read_index(seg_root / seg / "index.bin")
 
 
 def index_record(sample_id: int, start: int, length: int, crc: int) -> bytes:

@@ -22,14 +22,14 @@ import numcodecs.blosc
 import numpy as np
 import zarr
 
-from dspark.connector.base import Sample, Source
-from dspark.connector.registry import register_source
+from dspark.connector.base import Sample, Source, VerifyReport
 from dspark.connector.buffers import READS
 from dspark.connector.checksum import SampleChecksum
 from dspark.connector.encoding import bytes_per_token, decode
 from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest, weights_differ
 from dspark.connector.zarr.format import (BLOSC_MAX_OVERHEAD, META_BYTES, SEGMENT_FIX, IndexEntry, chunk_path,
-                                          read_index)
+                                          segment_indexes)
+from dspark.connector.zarr.verify import ZarrReport, note_repair, repaired_records
 from dspark.errors import DamagedSample, StoreError
 from dspark.files import FileRefused, open_regular, read_bounded, read_upto
 
@@ -248,9 +248,7 @@ class ZarrStore(Source):
         first: dict[int, IndexEntry] = {}
         others: dict[int, list[IndexEntry]] = {}
         bad: list[tuple[str, int, int]] = []
-        seg_root = self.root / "segments"
-        for seg in sorted(p.name for p in seg_root.iterdir()) if seg_root.exists() else []:
-            records, damaged = read_index(seg_root / seg / "index.bin")
+        for seg, records, damaged in segment_indexes(self.root):
             bad += [(seg, off, after) for off, after in damaged]
             for sid, start, length, crc in records:
                 e = IndexEntry(seg, start, length, crc)
@@ -361,6 +359,10 @@ class ZarrStore(Source):
                     pending.append(pool.submit(self.read, nxt, check))
                 yield sample
 
+    def missing(self, ids: Iterable[int]) -> list[int]:
+        v = self._view
+        return [i for i in ids if i not in v.first]
+
     def damaged(self, sample_id: int) -> str | None:
         """None if the sample reads back with its checksum, else what is wrong."""
         try:
@@ -436,7 +438,37 @@ class ZarrStore(Source):
                 out.append({"segment": name, "verifier_weights_hash": written_by})
         return out
 
+    def verify(self, ids: Iterable[int] | None = None, expected: int | None = None, *, thorough: bool = True,
+               workers: int = 4, progress: bool = False) -> ZarrReport:
+        """Read every sample (or `ids`) back against its checksum, list the damaged index records no repair
+        made good, and, given the prepared data's sample count, the samples the store lacks.
 
-@register_source("zarr")
-def _open_zarr_source(*, store: str | Path, **_) -> ZarrStore:
+        `thorough=False` reads no sample: it finds what `chunk_damage` finds (missing or cut chunk files,
+        16 bytes a chunk), the check every `dspark extract` resume affords.
+        """
+        from tqdm import tqdm
+
+        ids = self.sample_ids if ids is None else [i for i in ids if i in self]
+        if thorough:
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                reasons = list(tqdm(pool.map(self.damaged, ids), total=len(ids), desc="verify", unit="sample",
+                                    disable=not progress))
+            damaged = {i: r for i, r in zip(ids, reasons) if r}
+        else:
+            wanted = set(ids)
+            damaged = {i: r for i, r in self.chunk_damage().items() if i in wanted}
+        noted = repaired_records(self.root)
+        records = [r for r in self._view.damaged_records if r[:2] not in noted]
+        missing = None if expected is None else self.missing(range(expected))
+        return ZarrReport(len(self), damaged, records, len(self._view.damaged_records) - len(records), missing,
+                          expected)
+
+    def repaired(self, found: VerifyReport) -> None:
+        """Note the damaged index records `found` listed as made good (verify.py's `note_repair`)."""
+        if found.damaged_records:  # every sample is stored again: those records hide nothing any more
+            note_repair(self.root, found.damaged_records, found.missing or ())
+
+
+def open_source(*, store: str | Path, **_) -> ZarrStore:
+    """The SOURCES factory (registry.py): a store folder, read back; the other options are a live source's."""
     return ZarrStore(store)

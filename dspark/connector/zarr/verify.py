@@ -1,4 +1,4 @@
-"""Verifying a Zarr store (every sample read back against its checksum) and the notes repairs leave."""
+"""What verifying a Zarr store finds (`ZarrStore.verify` makes the report) and the notes repairs leave."""
 
 from __future__ import annotations
 
@@ -7,36 +7,22 @@ import os
 import time
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.connector.zarr.format import META_BYTES
-from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.base import VerifyReport
+from dspark.connector.zarr.format import INDEX_RECORD, META_BYTES
 from dspark.files import FileRefused, read_bounded
 from dspark.fsio import write_atomic
 
 
-@dataclass
-class VerifyReport:
-    """What `dspark store verify` found; `problems` is empty for a store that holds everything intact."""
+class ZarrReport(VerifyReport):
+    """What verifying a Zarr store found (base.py's report): its damaged index records are (segment, byte offset,
+    valid records after it)."""
 
-    samples: int  # sample ids the store indexes
-    damaged: dict[int, str]  # id -> what is wrong, for samples no copy of which reads back intact
-    damaged_records: list[tuple[str, int, int]]  # (segment, byte offset, valid records after it) not yet repaired
-    repaired_records: int  # damaged index records a `dspark store repair` made good
-    missing: list[int] | None  # prepared ids the store lacks; None: not compared (no prepared data given)
-
-    @property
-    def problems(self) -> list[str]:
-        out = []
-        if self.damaged:
-            out.append(f"{len(self.damaged)} of {self.samples} samples are damaged (first: {sorted(self.damaged)[:5]})")
-        if self.missing:
-            out.append(f"{len(self.missing)} prepared samples are missing (first: {self.missing[:5]})")
-        if self.damaged_records and self.missing is None:
-            out.append(f"{len(self.damaged_records)} damaged index records: the samples they held may be missing")
-        return out
+    def record_line(self, record: tuple) -> str:
+        seg, off, after = record
+        return (f"segment {seg}: index record {off // INDEX_RECORD.size} (byte {off}) is damaged; the {after} valid "
+                "records after it are read")
 
 
 REPAIRS = "repairs"  # <store>/repairs/<stamp>.json: damaged index records a repair made good
@@ -60,20 +46,3 @@ def repaired_records(root: str | Path) -> set[tuple[str, int]]:
         except (OSError, FileRefused, ValueError, KeyError, TypeError):
             continue  # an unreadable note covers nothing: verify still reports those records
     return out
-
-
-def verify_store(store: ZarrStore, expected: int | None = None, ids: Iterable[int] | None = None,
-                workers: int = 4, progress: bool = False) -> VerifyReport:
-    """Read every sample (or `ids`) back against its checksum, list damaged index records, and,
-    given the prepared data's sample count, the samples the store lacks."""
-    from tqdm import tqdm
-
-    ids = store.sample_ids if ids is None else [i for i in ids if i in store]
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        reasons = list(tqdm(pool.map(store.damaged, ids), total=len(ids), desc="verify", unit="sample",
-                            disable=not progress))
-    noted = repaired_records(store.root)
-    records = [r for r in store.damaged_records if r[:2] not in noted]
-    missing = None if expected is None else [i for i in range(expected) if i not in store]
-    return VerifyReport(len(store), {i: r for i, r in zip(ids, reasons) if r}, records,
-                      len(store.damaged_records) - len(records), missing)

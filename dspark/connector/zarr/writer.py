@@ -23,12 +23,11 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
 from dspark.connector.base import Sample, Sink, done
-from dspark.connector.registry import register_sink
 from dspark.connector.checksum import sample_checksum
+from dspark.connector.config import ZarrConfig
 from dspark.connector.encoding import encode, stored_numpy_dtype, torch_dtype
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.zarr.format import CAPACITY, chunk_path, index_record
-from dspark.connector.zarr.reader import ZarrStore
+from dspark.connector.zarr.format import CAPACITY, chunk_path, index_record, segment_indexes
 from dspark.errors import InputError, StoreError
 from dspark.fsio import replacing
 
@@ -88,7 +87,8 @@ class ZarrSink(Sink):
         self._weights_hash = manifest.verifier_weights_hash  # this writer's: its segment records it
         self._segment_attrs = dict(segment_attrs or {})  # e.g. the vLLM runner that extracted: the segment records it
         self.write_threads = write_threads  # 0: compress and write in the caller's thread
-        self._known = set(ZarrStore(self.root).sample_ids) - set(rewrite)
+        # the ids its index records name, read without a reader (which would load the manifest again)
+        self._known = {r[0] for _, records, _ in segment_indexes(self.root) for r in records} - set(rewrite)
         self._writer_id = writer_id or f"{time.strftime('%Y%m%dT%H%M%S')}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self._seg: Path | None = None
         self._pos = 0  # tokens handed to this segment
@@ -303,10 +303,10 @@ class ZarrSink(Sink):
                     self._seg = None
 
 
-@register_sink("zarr")
-def _make_zarr_sink(*, store: str | Path | None, manifest: StoreManifest, rewrite: Iterable[int] = (),
-                    accept_other_weights: bool = False, segment_attrs: dict[str, str] | None = None, **_) -> ZarrSink:
-    if store is None:
+def open_sink(*, manifest: StoreManifest, zarr: ZarrConfig | None = None, **_) -> ZarrSink:
+    """The SINKS factory (registry.py): a writer session into the store `zarr.store` names."""
+    cfg = zarr or ZarrConfig()
+    if cfg.store is None:
         raise InputError("writing to zarr needs a store folder", "pass --store PATH")
-    return ZarrSink(store, manifest, rewrite=rewrite, accept_other_weights=accept_other_weights,
-                    segment_attrs=segment_attrs)
+    return ZarrSink(cfg.store, manifest, rewrite=cfg.rewrite, accept_other_weights=cfg.accept_other_weights,
+                    segment_attrs=cfg.segment_attrs)
