@@ -10,7 +10,7 @@ backend's module loads at its first lookup only.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
 from dspark.errors import InputError

@@ -19,9 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from dspark.errors import InputError, StoreMismatch
-from dspark.tracking.config import ALWAYS
 from dspark.train.checkpoint import RunDir
-from dspark.train.config import TrainConfig
+from dspark.train.config import ReplayConfig, TrainConfig
 from dspark.train.metrics import MetricLog
 
 
@@ -41,13 +40,13 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
     return None
 
 
-def replay(run: str, store: str | None = None, tolerance: float = 0.0, progress: bool = True,
-           logger: str = ALWAYS) -> dict:
-    """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `logger` names some."""
+def replay(settings: ReplayConfig, progress: bool = True) -> dict:
+    """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `--logger` names some."""
     from dspark.connector.base import open_store
     from dspark.connector.registry import store_backend
     from dspark.train.loop import Trainer
 
+    run, store, tolerance, logger = settings.run, settings.store, settings.tolerance, settings.logger
     rd = RunDir(run)
     rec = rd.record()
     if rec is None:

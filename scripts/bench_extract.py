@@ -56,11 +56,11 @@ def _plan(args):
 def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
     from dspark.extract.transformers_engine import TransformersEngine, decoder_stack
 
-    engine = TransformersEngine(args.model, args.target_layer_ids)
-    bare = TransformersEngine(args.model, args.target_layer_ids)
+    engine = TransformersEngine(args.model, args.target_layer_ids, device="cpu")
+    bare = TransformersEngine(args.model, args.target_layer_ids, device="cpu")
     for h in [m for m in bare.model.modules()]:
         h._forward_hooks.clear()  # the bare arm captures nothing
-    manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint)
+    manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint, encoding="raw")
 
     @torch.inference_mode()
     def run_bare(batches=batches):
@@ -106,6 +106,8 @@ def _vllm_worker(args, data, batches, warmup) -> float:
     """One arm in this process: build the engine, warm it up, return the seconds of the timed batches."""
     from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.base import open_engine
+    from dspark.extract.config import ExtractConfig
+    from dspark.verifier.resolved import Verifier
     from dspark.vllm_server import cpu_env
 
     root = Path(tempfile.mkdtemp())
@@ -125,8 +127,10 @@ def _vllm_worker(args, data, batches, warmup) -> float:
         else:
             sinks = SinkConfig(to="zarr", zarr=ZarrConfig(store=str(root / "store")),
                                prepared_fingerprint=data.fingerprint)
-            engine = open_engine("vllm", model=args.model, target_layer_ids=args.target_layer_ids, sinks=sinks)
-            manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint,
+            cfg = ExtractConfig(model=args.model, data=args.data, target_layer_ids=args.target_layer_ids,
+                                engine="vllm", sink=sinks)
+            engine = open_engine(cfg, Verifier.resolve(args.model), sinks)
+            manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint, encoding="raw",
                                           dtype=engine.dtype_name)
             sink = ZarrSink(root / "store", manifest)
 

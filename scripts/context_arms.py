@@ -20,6 +20,7 @@ import torch
 
 import dspark.train.loop as tl
 import dspark.train.model as tm
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.train.config import TrainConfig
 
@@ -63,12 +64,13 @@ def verifier_layers(model, cfg):
 def run(name, cfg, model_hook=None, opt_hook=None):
     tl.build_optimizers = opt_hook or base_build_opt
     if model_hook:
-        tl.build_model = lambda c, p, d: model_hook(base_build_model(c, p, d), c)
+        tl.build_model = lambda c, p, d, v: model_hook(base_build_model(c, p, d, v), c)
     else:
         tl.build_model = base_build_model
     t = time.time()
     tl.Trainer(cfg, progress=False).fit()
-    r, _ = run_eval(cfg.save_path + "/latest", None, None, None, cfg.save_path + "/eval", "val", max_anchors=2048)
+    r, _ = run_eval(TeacherForcedConfig(checkpoint=cfg.save_path + "/latest", output=cfg.save_path + "/eval",
+                                        split="val", max_anchors=2048))
     g, p = r["state_gain"], r["positions"]
     row = {"arm": name, "s": round(time.time() - t), "tau": round(r["tau_greedy"], 3),
            "gain_tau": round(g["tau_greedy"], 3),

@@ -8,14 +8,16 @@ import pytest
 import torch
 
 from conftest import run_cli
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import allocate_anchors, run_eval
 
 
 @pytest.fixture(scope="module")
 def every_anchor(reference_run, store, tmp_path_factory):
     c, _ = reference_run
-    result, _ = run_eval(os.path.join(c.save_path, "latest"), str(store), None, None,
-                         str(tmp_path_factory.mktemp("ev") / "all"), "all", "cpu", max_anchors=0)
+    result, _ = run_eval(TeacherForcedConfig(checkpoint=os.path.join(c.save_path, "latest"), store=str(store),
+                                             output=str(tmp_path_factory.mktemp("ev") / "all"), split="all",
+                                             device="cpu", max_anchors=0))
     return result
 
 
@@ -29,8 +31,9 @@ def test_a_cap_at_or_above_every_anchor_scores_each_one_whatever_the_seed(refere
     a = every_anchor["anchors"]
     assert a["scored"] == a["available"] == every_anchor["blocks"] > 300 and a["max_anchors"] is None
     torch.manual_seed(123)  # the caller's random state plays no part
-    capped, _ = run_eval(os.path.join(c.save_path, "latest"), str(store), None, None, str(tmp_path / "cap"), "all",
-                         "cpu", max_anchors=a["available"], anchor_seed=7)
+    capped, _ = run_eval(TeacherForcedConfig(checkpoint=os.path.join(c.save_path, "latest"), store=str(store),
+                                             output=str(tmp_path / "cap"), split="all", device="cpu",
+                                             max_anchors=a["available"], anchor_seed=7))
     assert _scores(capped) == _scores(every_anchor)
     assert "every anchor" in (tmp_path / "cap" / "eval.md").read_text()
 
@@ -38,10 +41,13 @@ def test_a_cap_at_or_above_every_anchor_scores_each_one_whatever_the_seed(refere
 def test_a_cap_scores_a_seeded_subset_of_the_anchors(reference_run, store, every_anchor, tmp_path):
     c, _ = reference_run
     ckpt, n = os.path.join(c.save_path, "latest"), 120
-    one, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "a"), "all", "cpu", max_anchors=n, anchor_seed=1)
+    one, _ = run_eval(TeacherForcedConfig(checkpoint=ckpt, store=str(store), output=str(tmp_path / "a"), split="all",
+                                          device="cpu", max_anchors=n, anchor_seed=1))
     torch.manual_seed(5)
-    again, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "b"), "all", "cpu", max_anchors=n, anchor_seed=1)
-    other, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "c"), "all", "cpu", max_anchors=n, anchor_seed=2)
+    again, _ = run_eval(TeacherForcedConfig(checkpoint=ckpt, store=str(store), output=str(tmp_path / "b"),
+                                            split="all", device="cpu", max_anchors=n, anchor_seed=1))
+    other, _ = run_eval(TeacherForcedConfig(checkpoint=ckpt, store=str(store), output=str(tmp_path / "c"),
+                                            split="all", device="cpu", max_anchors=n, anchor_seed=2))
     assert _scores(one) == _scores(again) and _scores(one) != _scores(other)
     assert one["blocks"] == n and one["anchors"] == {"scored": n, "available": every_anchor["blocks"],
                                                      "max_anchors": n, "seed": 1}
@@ -96,11 +102,13 @@ def test_eval_takes_bf16_inputs_into_fp32_or_bf16_weights(weights, reference_run
 
     c, _ = reference_run
     ckpt, n = os.path.join(c.save_path, "latest"), 64
-    fp32, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "fp32"), "all", "cpu", max_anchors=n)
+    fp32, _ = run_eval(TeacherForcedConfig(checkpoint=ckpt, store=str(store), output=str(tmp_path / "fp32"),
+                                           split="all", device="cpu", max_anchors=n))
     load = tf.load_checkpoint
     monkeypatch.setattr(tf, "load_checkpoint", lambda *a: load(*a).to(weights))
     bf16_batches(monkeypatch)
-    ours, _ = run_eval(ckpt, str(store), None, None, str(tmp_path / "bf16"), "all", "cpu", max_anchors=n)
+    ours, _ = run_eval(TeacherForcedConfig(checkpoint=ckpt, store=str(store), output=str(tmp_path / "bf16"),
+                                           split="all", device="cpu", max_anchors=n))
     assert ours["blocks"] == fp32["blocks"] == n
     # the same blocks, scored at bf16 precision: a few drafts may flip
     assert ours["tau_analytic"] == pytest.approx(fp32["tau_analytic"], rel=0.05)
@@ -133,8 +141,8 @@ def test_eval_compiles_a_handful_of_forward_shapes_not_one_per_batch(reference_r
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)  # count them all, never fall back to eager
-    result, _ = run_eval(os.path.join(c.save_path, "latest"), str(store), None, None, str(tmp_path / "ev"), "all",
-                         "cpu", max_anchors=300)
+    result, _ = run_eval(TeacherForcedConfig(checkpoint=os.path.join(c.save_path, "latest"), store=str(store),
+                                             output=str(tmp_path / "ev"), split="all", device="cpu", max_anchors=300))
     assert result["blocks"] == 300
     batches = len(shapes) // 3  # the real states and two controls, scored alike
     assert batches >= 6 and len(set(shapes)) <= 3

@@ -24,7 +24,7 @@ from dspark.verifier.check import check_verifier_config
 
 def test_states_equal_a_direct_transformers_forward(verifier, prepared):
     data = PreparedData(prepared)
-    engine = TransformersEngine(verifier, LAYERS)
+    engine = TransformersEngine(verifier, LAYERS, device="cpu")
     model = AutoModelForCausalLM.from_pretrained(verifier, dtype=torch.bfloat16).eval()
     ids = [data.sample(i)[0] for i in range(4)]
     batched = engine.extract(ids)
@@ -79,7 +79,7 @@ IMPOSSIBLE_CONFIGS = [  # config.json as the probe edited it, and the field and 
 def test_a_verifier_config_that_cannot_be_built_is_refused_naming_the_field(verifier, tmp_path, config, named):
     model = _verifier_with(verifier, tmp_path / "verifier", **config)
     with pytest.raises(InputError, match=f"^{re.escape(str(model / 'config.json'))}: {named}[ ,]"):
-        TransformersEngine(model, LAYERS)
+        TransformersEngine(model, LAYERS, device="cpu")
 
 
 def test_extract_with_a_verifier_of_100000_layers_is_one_line_before_anything_is_allocated(verifier, prepared,
@@ -120,7 +120,7 @@ def test_heads_that_do_not_divide_or_sizes_that_are_not_counts_are_refused(verif
 def test_the_decode_verifier_checks_its_config_too(verifier, tmp_path):
     model = _verifier_with(verifier, tmp_path / "verifier", hidden_size=-128)
     with pytest.raises(InputError, match=r"config.json: hidden_size -128 is not a positive integer"):
-        Verifier(model, [1])
+        Verifier(model, [1], "float32")
 
 
 def test_tensor_parallel_needs_the_vllm_engine(verifier, prepared, tmp_path):

@@ -6,7 +6,6 @@ import os
 import resource
 import shutil
 import struct
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ from conftest import LAYERS, run_cli, train_cfg
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
-from dspark.errors import DamagedSample, StoreError, StoreMismatch
+from dspark.errors import DamagedSample, StoreMismatch
 from dspark.data.prepare import PreparedData
 from test_store import make_sample, manifest, write
 
@@ -371,7 +370,7 @@ def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifie
 
         def source():
             return SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(
-                verifier, LAYERS, data.fingerprint), prompts=data, live=live)
+                verifier, LAYERS, data.fingerprint, encoding="raw"), prompts=data, live=live)
 
         first = source()
         originals = {i: first.read(i) for i in range(3)}

@@ -44,11 +44,11 @@ def _port_open(port: int) -> bool:
 
 
 def start_master(tmp_path, port=None):
-    port = port or free_port()
+    port = port or free_port("127.0.0.1")
     log = open(tmp_path / f"master-{port}.log", "w")
     # `dspark mooncake-master` becomes the master (exec): the pid is the server's, as in compose and Slurm.
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "mooncake-master", "--port", str(port),
-                             "--metrics-port", str(free_port()), "--rpc-threads", "4"],
+                             "--metrics-port", str(free_port("127.0.0.1")), "--rpc-threads", "4"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: _port_open(port), 20, "mooncake_master")
     return proc, f"127.0.0.1:{port}"
@@ -77,7 +77,7 @@ VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
 
 def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25, port=None):
     """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
-    port = port or free_port()
+    port = port or free_port("127.0.0.1")
     common = ["--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
               "--target-layer-ids", *map(str, LAYERS)]
     if engine == "serve":
@@ -144,7 +144,7 @@ def live_source(cache, verifier, prepared, master, endpoint, **live):
     """The trainer's live source in this process, mounting 64 MiB (a serve started with segment 0 puts there)."""
     data = PreparedData(prepared)
     cfg = LiveConfig(endpoint=endpoint, mooncake=replace(small_cfg(64), master=master), **live)
-    return data, SOURCES["mooncake"](store=cache, manifest=manifest_for_model(verifier, LAYERS, data.fingerprint),
+    return data, SOURCES["mooncake"](store=cache, manifest=manifest_for_model(verifier, LAYERS, data.fingerprint, encoding="raw"),
                                      prompts=data, live=cfg)
 
 
@@ -256,13 +256,15 @@ def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_
     next epoch, so the cache the replay reads holds it: the replay reproduces the run only by leaving it
     out where the run did."""
     from dspark.replay import replay
+    from dspark.train.config import ReplayConfig
     from dspark.train.data import TrainData
 
     proc, url = served_alone
     c = live_cfg(tmp_path / "cache", prepared, verifier, tmp_path / "run", master, url, request_timeout=60,
                  stall_timeout=STALL)
     data, source = live_source(tmp_path / "cache", verifier, prepared, master, url)
-    first, second = TrainData(source, data, c.total_seq_len, c.train_data_ratio, c.seed).epoch_batches(0)[:2]
+    first, second = TrainData(source, data, c.total_seq_len, c.train_data_ratio, c.seed,
+                              c.on_damaged).epoch_batches(0)[:2]
     skip, wait = first[-1], set(second)
     for i in set(range(len(data))) - {skip} - wait:
         assert source.read(i) is not None
@@ -285,7 +287,7 @@ def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_
     skipped = {"train epoch 0": [skip]}
     assert json.loads((tmp_path / "run" / "config.json").read_text())["skipped"] == skipped
     assert len(ZarrStore(tmp_path / "cache")) == len(data)  # the skipped one was fetched in epoch 1
-    result = replay(str(tmp_path / "run"), progress=False)
+    result = replay(ReplayConfig(run=str(tmp_path / "run")), progress=False)
     assert result["reproduced"], result["first_divergence"]
     assert result["skipped"] == skipped
     assert result["note"] == (f"the run skipped 1 sample it could not read (train epoch 0: {skip}); the replay "
@@ -294,7 +296,7 @@ def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     del record["skipped"]
     (tmp_path / "run" / "config.json").write_text(json.dumps(record))
-    result = replay(str(tmp_path / "run"), progress=False)
+    result = replay(ReplayConfig(run=str(tmp_path / "run")), progress=False)
     assert not result["reproduced"]
     assert result["first_divergence"].startswith("record 0 (step 1, train): ")
     assert "the run skipped samples its live source could not deliver" in result["first_divergence"]
@@ -395,7 +397,7 @@ def test_unreachable_master_is_one_clear_line(verifier, prepared, tmp_path):
     assert proc.returncode == 2 and "cannot reach the Mooncake master" in proc.stderr
     assert "Traceback" not in proc.stderr
     # The trainer says so before it trains (or waits on an endpoint that is away too), not after its retries.
-    train = _train_proc(tmp_path, verifier, prepared, "127.0.0.1:1", f"http://127.0.0.1:{free_port()}/v1")
+    train = _train_proc(tmp_path, verifier, prepared, "127.0.0.1:1", f"http://127.0.0.1:{free_port('127.0.0.1')}/v1")
     out, err = train.communicate(timeout=120)
     assert train.returncode == 2 and err.startswith("error: cannot reach the Mooncake master at 127.0.0.1:1"), err
 

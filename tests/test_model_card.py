@@ -19,13 +19,14 @@ ABSOLUTE = re.compile(r"(?<![\w.:/<>~-])[~.]{0,2}/[\w.@+-]+")
 @pytest.fixture(scope="module")
 def run(store, prepared, verifier, tmp_path_factory):
     """A short run with settings of its own (block size 6, Markov rank 8), its latest checkpoint evaluated."""
+    from dspark.eval.config import TeacherForcedConfig
     from dspark.eval.teacher_forced import run_eval
 
     c = train_cfg(store, prepared, verifier, tmp_path_factory.mktemp("card") / "run", block_size=6, markov_rank=8,
                   max_anchors=16, epochs=1, checkpoint_freq=0.5, log_freq=2)
     fit(c)
     root = Path(c.save_path)
-    run_eval(str(root / "latest"), str(store), None, None, None, "val", "cpu")
+    run_eval(TeacherForcedConfig(checkpoint=str(root / "latest"), store=str(store), split="val", device="cpu"))
     return root
 
 

@@ -75,11 +75,11 @@ def test_holdout_never_writes_over_an_input_or_one_output_over_another(tmp_path,
              (tmp_path / "t.jsonl", tmp_path / "h.jsonl", [chats], rf"--exclude {chats} is also --data")]
     for train, held, exclude, message in cases:
         with pytest.raises(InputError, match=message):
-            split(chats, train, held, heldout=3, exclude=exclude)
+            split(chats, train, held, heldout=3, seed=0, exclude=exclude)
     linked = tmp_path / "linked.jsonl"
     os.link(chats, linked)  # the same file under another name
     with pytest.raises(InputError, match=rf"--train {linked} is also --data"):
-        split(chats, linked, tmp_path / "h.jsonl", heldout=3)
+        split(chats, linked, tmp_path / "h.jsonl", heldout=3, seed=0)
     assert chats.read_bytes() == original and not (tmp_path / "t.jsonl").exists()
     proc = run_cli("holdout", "--data", chats, "--train", tmp_path / "same.jsonl", "--heldout-output",
                    tmp_path / "same.jsonl", "--heldout", "3", check=False)
@@ -95,11 +95,11 @@ def test_holdout_rewrites_its_own_outputs_and_an_unrelated_file_only_with_force(
     held.write_text("mine\n")  # no longer what holdout wrote
     with pytest.raises(InputError, match=rf"--heldout-output {held} exists and is not a file `dspark holdout` wrote "
                                          r"\(recorded in train.jsonl.summary.json\) \(fix: .*--force"):
-        split(chats, train, held, heldout=3)
+        split(chats, train, held, heldout=3, seed=0)
     assert held.read_text() == "mine\n"
-    assert split(chats, train, held, heldout=3, force=True)["heldout"] == 3
+    assert split(chats, train, held, heldout=3, seed=0, force=True)["heldout"] == 3
     with pytest.raises(InputError, match="is also --data"):  # --force never writes over an input
-        split(chats, chats, held, heldout=3, force=True)
+        split(chats, chats, held, heldout=3, seed=0, force=True)
 
 
 # --- every command: a folder, a file or `.` where the other is expected -------------------------------------------
@@ -112,7 +112,7 @@ def test_an_output_path_of_the_wrong_kind_or_the_current_folder_is_one_line_befo
     monkeypatch.chdir(tmp_path)
     regen = dict(model=str(verifier), data=str(chats), max_prompts=1, max_new_tokens=2)
     runs = {"prepare": lambda out: prep(verifier, chats, out),
-            "holdout": lambda out: split(chats, out, tmp_path / "h.jsonl", heldout=3),
+            "holdout": lambda out: split(chats, out, tmp_path / "h.jsonl", heldout=3, seed=0),
             "regenerate": lambda out: regenerate(RegenerateConfig(**regen, output=str(out)), progress=False)}
     for command, run in runs.items():
         wrong = file if command == "prepare" else folder
@@ -199,7 +199,7 @@ def test_an_extract_whose_new_store_a_concurrent_extract_created_with_another_co
 
     def the_other_extract_creates_it_first(*a, **kw):  # between this one's check and its sink's creation
         engine = real(*a, **kw)
-        manifest_for_model(verifier, LAYERS, PreparedData(prepared).fingerprint, dtype=engine.dtype_name,
+        manifest_for_model(verifier, LAYERS, PreparedData(prepared).fingerprint, encoding="raw", dtype=engine.dtype_name,
                            codec="lz4").create_or_match(store)
         return engine
 

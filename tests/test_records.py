@@ -2,7 +2,6 @@
 naming the file and field, a copied run writes only into itself, and a record never cuts a file it does not match."""
 
 import json
-import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -11,9 +10,11 @@ import pytest
 
 from conftest import fit, run_cli, train_cfg
 from dspark.errors import InputError
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.data.regenerate import RegenerateConfig, regenerate
 from dspark.replay import replay
+from dspark.train.config import ReplayConfig
 from dspark.train.loop import Trainer
 from test_train import train_argv
 
@@ -64,9 +65,10 @@ def test_a_tampered_run_folder_is_one_line_naming_the_file_and_field(reference_r
     before = files(run)
     with pytest.raises(InputError) as err:
         if command == "replay":
-            replay(str(run), progress=False)
+            replay(ReplayConfig(run=str(run)), progress=False)
         elif command == "eval":
-            run_eval(str(run / "latest"), str(store), None, None, str(tmp_path / "eval"), "val", "cpu", progress=False)
+            run_eval(TeacherForcedConfig(checkpoint=str(run / "latest"), store=str(store),
+                                         output=str(tmp_path / "eval"), split="val", device="cpu"), progress=False)
         else:
             Trainer(replace(c, save_path=str(run)), progress=False)
     assert str(err.value).startswith(f"{run}/{said}") and "(fix: " in str(err.value)
@@ -107,7 +109,7 @@ def test_a_replay_after_an_earlier_one_was_deleted_replays_afresh(reference_run,
     # `rm -r RUN/replays/000` with 001 present: a finished replay (a copy of the run, as one looks)
     shutil.copytree(c.save_path, run / "replays" / "001", symlinks=True)
     kept = files(run / "replays" / "001")
-    result = replay(str(run), progress=False)
+    result = replay(ReplayConfig(run=str(run)), progress=False)
     assert result["replay"] == str(run / "replays" / "002") and result["reproduced"]
     assert (run / "replays" / "002" / "checkpoints").is_dir()  # trained there, from scratch
     assert files(run / "replays" / "001") == kept
@@ -143,8 +145,8 @@ def test_eval_of_a_copied_run_logs_into_the_copy_and_leaves_the_original_untouch
             d["tensorboard"].update(log_dir=str(original / "tensorboard")),
             d["mlflow"].update(tracking_uri=(original / "mlruns").as_uri()), d["mlflow"].pop("store")))
     before = files(original)
-    run_eval(str(copy / "latest"), str(store), None, None, str(tmp_path / "eval"), "val", "cpu", max_anchors=8,
-             progress=False)
+    run_eval(TeacherForcedConfig(checkpoint=str(copy / "latest"), store=str(store), output=str(tmp_path / "eval"),
+                                 split="val", device="cpu", max_anchors=8), progress=False)
     assert files(original) == before
     from test_tracking import mlflow_series, tensorboard_series
 

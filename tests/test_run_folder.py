@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import fit, run_cli, wait_for
 from dspark.errors import CheckpointError, InputError, TrainingDiverged
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.export.folder import export
 from dspark.fsio import temp_path
@@ -154,7 +155,8 @@ def test_a_checkpoint_still_being_written_is_refused_by_eval_and_export(referenc
     with pytest.raises(InputError, match="is a checkpoint still being written, or left by a save cut short"):
         export(str(writing), str(tmp_path / "export"), "Org/Tiny")
     with pytest.raises(InputError, match="is a checkpoint still being written, or left by a save cut short"):
-        run_eval(str(writing), str(store), None, None, str(tmp_path / "ev"), "val", "cpu")
+        run_eval(TeacherForcedConfig(checkpoint=str(writing), store=str(store), output=str(tmp_path / "ev"),
+                                     split="val", device="cpu"))
     assert not (tmp_path / "export").exists()
 
 
@@ -196,7 +198,8 @@ def test_a_damaged_checkpoint_is_refused_by_resume_eval_and_export(reference_run
     with pytest.raises(CheckpointError, match=named):
         Trainer(replace(c, save_path=str(run)), progress=False)
     with pytest.raises(CheckpointError, match=named):
-        run_eval(str(run / "latest"), str(store), None, None, str(tmp_path / "ev"), "val", "cpu")
+        run_eval(TeacherForcedConfig(checkpoint=str(run / "latest"), store=str(store), output=str(tmp_path / "ev"),
+                                     split="val", device="cpu"))
     assert snapshot(run) == before
     # Without checksums, export can check a file's structure but not which tensors the drafter needs (that takes
     # building the drafter, which needs its verifier): a complete-looking file lacking a layer is caught on load.
@@ -213,8 +216,8 @@ def test_an_old_checkpoint_without_checksums_still_resumes_and_evaluates(referen
     for p in (run / "checkpoints").glob("*/checksums.json"):
         p.unlink()
     Trainer(replace(c, save_path=str(run)), progress=False)
-    result, _ = run_eval(str(run / "latest"), str(store), None, None, str(tmp_path / "ev"), "val", "cpu",
-                         max_anchors=64)
+    result, _ = run_eval(TeacherForcedConfig(checkpoint=str(run / "latest"), store=str(store),
+                                             output=str(tmp_path / "ev"), split="val", device="cpu", max_anchors=64))
     assert result["blocks"] > 0
     assert "has no checksums.json (saved by an earlier dspark): its files are not verified" in capsys.readouterr().err
 

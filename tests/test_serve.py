@@ -27,7 +27,7 @@ MODEL_MAX = 4096  # the toy verifier's max_position_embeddings
 
 @pytest.fixture(scope="module")
 def parts(verifier, tmp_path_factory):
-    engine = TransformersEngine(verifier, LAYERS)
+    engine = TransformersEngine(verifier, LAYERS, device="cpu")
     store = tmp_path_factory.mktemp("serve") / "store"
     producer = Producer(SinkConfig(to="zarr", zarr=ZarrConfig(store=str(store)), prepared_fingerprint="p"),
                         str(verifier), LAYERS, engine.dtype_name)

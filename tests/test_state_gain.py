@@ -17,9 +17,11 @@ from conftest import LAYERS, fit, prompt_ids, train_cfg
 from dspark.connector.base import Sample
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
+from dspark.decode.config import SamplingConfig
 from dspark.decode.drafter import Drafter
 from dspark.decode.loop import autoregressive
 from dspark.decode.verifier import Verifier
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.data.prepare import PreparedData
 from dspark.train.blocks import control_states, documents, score, with_donors
@@ -68,7 +70,8 @@ def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw
     records = fit(coded)
     gains = [r["metrics"]["state_gain_pos1_match"] for r in records if r["split"] == "val"]
     assert len(gains) == 10 and min(gains[-3:]) > 0.1  # each validation logs it (a small split: noisy)
-    result, out = run_eval(os.path.join(coded.save_path, "latest"), None, None, None, str(tmp_path / "e1"), "all")
+    result, out = run_eval(TeacherForcedConfig(checkpoint=os.path.join(coded.save_path, "latest"),
+                                               output=str(tmp_path / "e1"), split="all"))
     first = result["positions"][0]
     assert result["state_gain"]["positions"][0] == pytest.approx(
         first["greedy_match"] - max(first["zeroed_match"], first["other_sample_match"]))
@@ -78,11 +81,12 @@ def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw
     # trained with zeroed states, then scored on the states that hold the answer: it never learned to read them
     blind = train_cfg(zeroed_store, prepared, verifier, tmp_path / "blind", epochs=6, checkpoint_freq=1.0)
     fit(blind)
-    result, _ = run_eval(os.path.join(blind.save_path, "latest"), str(coded_store), None, None, str(tmp_path / "e2"),
-                         "all")
+    result, _ = run_eval(TeacherForcedConfig(checkpoint=os.path.join(blind.save_path, "latest"),
+                                             store=str(coded_store), output=str(tmp_path / "e2"), split="all"))
     assert abs(result["state_gain"]["positions"][0]) < 0.05
     # on the zeroed store every variant sees zeros: exactly no gain
-    result, _ = run_eval(os.path.join(blind.save_path, "latest"), None, None, None, str(tmp_path / "e3"), "all")
+    result, _ = run_eval(TeacherForcedConfig(checkpoint=os.path.join(blind.save_path, "latest"),
+                                             output=str(tmp_path / "e3"), split="all"))
     assert result["state_gain"]["positions"] == [0.0] * 8
 
 
@@ -101,8 +105,10 @@ def test_teacher_forced_drafts_are_the_decode_loops_and_tau_its_acceptance(sampl
     with torch.no_grad():  # a Markov bias that outweighs the logits: a draft chained from a wrong token shows
         model.markov_head.markov_w1.weight.mul_(300)
     prompt = prompt_ids(prepared, 1)[0]
-    v = Verifier(verifier, [*LAYERS, VerifierInfo.load(verifier).num_hidden_layers])  # + the last layer: the targets
-    ids = torch.tensor(prompt + autoregressive(v, prompt, 40, ignore_eos=True).tokens)
+    # + the last layer: the targets
+    v = Verifier(verifier, [*LAYERS, VerifierInfo.load(verifier).num_hidden_layers], "float32")
+    greedy = SamplingConfig(temperature=0.0, ignore_eos=True)
+    ids = torch.tensor(prompt + autoregressive(v, prompt, 40, sampling=greedy).tokens)
     v.reset()
     _, states = v.forward(ids)
     H = states.shape[1] // (len(LAYERS) + 1)
@@ -112,9 +118,9 @@ def test_teacher_forced_drafts_are_the_decode_loops_and_tau_its_acceptance(sampl
              "document_ids": torch.zeros(1, T, dtype=torch.long), "position_ids": torch.arange(T)[None]}
     blocks = score(model, batch, anchors=T, seed=0)
     assert len(blocks.anchors) == T - B - len(prompt)  # every anchor with a whole block after it
-    drafter = Drafter(model)
+    drafter = Drafter(model, "dspark")
     for p, drafts, match in zip(blocks.anchors.tolist(), blocks.drafts, blocks.match):
-        proposed = drafter.propose(drafter.context(ids[:p], states[:p, :-H]), int(ids[p])).tokens.numpy()
+        proposed = drafter.propose(drafter.context(ids[:p], states[:p, :-H]), int(ids[p]), greedy).tokens.numpy()
         np.testing.assert_array_equal(drafts, proposed)
         # greedy: the verifier accepts drafts (of tokens p+1, p+2, ...) while they are its own continuation
         accepted = np.cumprod(proposed == ids[p + 1: p + 1 + len(proposed)].numpy()).sum()

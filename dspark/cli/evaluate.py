@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import click
 
 from dspark.cli.app import Progress, command, local, main
@@ -17,13 +19,10 @@ def eval_cmd(cfg: EvalConfig, shown: Progress):
     verifier = local(cfg.verifier_name_or_path)
     if cfg.decode:  # its mistakes are one line before the teacher-forced pass, not after it
         decoding = cfg.decode_config()
-    result, out = run_eval(cfg.checkpoint, cfg.store, cfg.data_path, verifier, cfg.output, cfg.split, cfg.device,
-                           cfg.on_damaged, cfg.max_anchors, cfg.anchor_seed, not shown.no_progress)
+    result, out = run_eval(replace(cfg, verifier_name_or_path=verifier), not shown.no_progress)
     click.echo(markdown(result))
     click.echo(f"wrote {out}/eval.json, eval.md, eval.png")
     if cfg.decode:
-        from dataclasses import replace
-
         from dspark.decode.report import markdown as decode_markdown
         from dspark.decode.run import run_decode
 

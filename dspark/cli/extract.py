@@ -30,12 +30,15 @@ def serve(cfg: ServeConfig):
     from dspark.extract.serve import ExtractionService, make_server
     from dspark.extract.transformers_engine import TransformersEngine
     from dspark.verifier.hub import model_name
+    from dspark.verifier.resolved import Verifier
     from dspark.data.prepare import PreparedData
 
-    model = local(cfg.model)
-    engine = TransformersEngine(model, cfg.target_layer_ids, cfg.device, cfg.dtype, cfg.trust_remote_code)
+    verifier = Verifier.resolve(cfg.model, trust_remote_code=cfg.trust_remote_code)
+    model = verifier.folder
+    engine = TransformersEngine(verifier, cfg.target_layer_ids, device=cfg.device, dtype=cfg.dtype,
+                                trust_remote_code=cfg.trust_remote_code)
     sinks = cfg.sink.for_data(PreparedData(cfg.data).fingerprint if cfg.data else None)
-    producer = Producer(sinks, model, cfg.target_layer_ids, engine.dtype_name, cfg.trust_remote_code)
+    producer = Producer(sinks, verifier, cfg.target_layer_ids, engine.dtype_name)
     server = make_server(ExtractionService(engine, producer, model_name(model), cfg.limits), cfg.host, cfg.port)
     click.echo(f"dspark serve: {model} on http://{cfg.host}:{cfg.port}/v1 -> {cfg.sink.to}", err=True)
     try:
@@ -110,6 +113,4 @@ def store_repair(cfg: RepairConfig, shown: Progress):
     """
     from dspark.extract.runner import run_repair
 
-    echo_json(run_repair(cfg.store, cfg.data, local(cfg.model), cfg.device, cfg.batch_tokens, cfg.max_batch_size,
-                         cfg.trust_remote_code, progress=not shown.no_progress,
-                         accept_other_weights=cfg.accept_other_weights))
+    echo_json(run_repair(replace(cfg, model=local(cfg.model)), progress=not shown.no_progress))

@@ -38,7 +38,7 @@ def replay(cfg: ReplayConfig, shown: Progress):
     """Retrain RUN from its record and prove every logged metric reproduces."""
     from dspark.replay import replay as run
 
-    result = run(cfg.run, cfg.store, cfg.tolerance, progress=not shown.no_progress, logger=cfg.logger)
+    result = run(cfg, progress=not shown.no_progress)
     echo_json(result)
     if result["reproduced"]:
         click.secho(f"REPRODUCED: {result['records']} records, {result['metrics_compared']} metrics match", fg="green")

@@ -212,13 +212,14 @@ class SinkConfig:
                    zarr=ZarrConfig(store=store, chunk_tokens=manifest.chunk_tokens,
                                    accept_other_weights=accept_other_weights))
 
-    def manifest(self, model: str, target_layer_ids: list[int], prepared_fingerprint: str, dtype: str | None = None,
-                 trust_remote_code: bool = False):
-        """The store identity these sinks write samples of `model` under (manifest.py's `manifest_for_model`)."""
+    def manifest(self, model, target_layer_ids: list[int], prepared_fingerprint: str, dtype: str | None):
+        """The store identity these sinks write samples of `model` (a folder or a resolved Verifier) under
+        (manifest.py's `manifest_for_model`)."""
         from dspark.connector.manifest import manifest_for_model
 
-        return manifest_for_model(model, target_layer_ids, prepared_fingerprint, self.encoding, self.zarr.chunk_tokens,
-                                  self.verifier_name, dtype, trust_remote_code, self.zarr.codec)
+        return manifest_for_model(model, target_layer_ids, prepared_fingerprint, encoding=self.encoding,
+                                  chunk_tokens=self.zarr.chunk_tokens, verifier_name=self.verifier_name, dtype=dtype,
+                                  codec=self.zarr.codec)
 
     def open(self, manifest):
         """The one sink factory: the sinks `to` names, for samples of `manifest` (a tee when several); each

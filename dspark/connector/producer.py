@@ -21,6 +21,7 @@ from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.wire import sample_key, transfer_params
 from dspark.errors import InputError
+from dspark.verifier.resolved import Verifier
 
 # Each data set gets its own manifest and sinks (a Mooncake sink is a client that mounts
 # memory): a client naming one random data set per request must not exhaust the host.
@@ -36,10 +37,9 @@ class Planned:
 
 
 class Producer:
-    def __init__(self, config: SinkConfig, model: str, target_layer_ids: list[int], dtype: str,
-                 trust_remote_code: bool = False):
+    def __init__(self, config: SinkConfig, model: str | Verifier, target_layer_ids: list[int], dtype: str):
         self.config = config
-        self._model, self._layers, self._dtype, self._trc = model, list(target_layer_ids), dtype, trust_remote_code
+        self._model, self._layers, self._dtype = Verifier.resolve(model), list(target_layer_ids), dtype
         self._manifests: dict[str, StoreManifest] = {}
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()
@@ -52,7 +52,7 @@ class Producer:
                     raise InputError(f"this extractor already writes {len(self._manifests)} data sets, the most "
                                      f"one process takes", "start another extractor for more data sets")
                 self._manifests[prepared_fingerprint] = self.config.manifest(
-                    self._model, self._layers, prepared_fingerprint, self._dtype, self._trc)
+                    self._model, self._layers, prepared_fingerprint, self._dtype)
             return self._manifests[prepared_fingerprint]
 
     def plan(self, request_id: str, params: dict | None, num_tokens: int) -> Planned:

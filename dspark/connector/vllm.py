@@ -93,8 +93,7 @@ class DsparkHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
         mc = vllm_config.model_config
         # A hub id stays one in vLLM's config: read its files where vLLM found them.
         model = str(local_model(mc.model, vllm_config.load_config.download_dir, mc.revision))
-        self.producer = Producer(self.config, model, captured[:-1], str(mc.dtype).removeprefix("torch."),
-                                 mc.trust_remote_code)
+        self.producer = Producer(self.config, model, captured[:-1], str(mc.dtype).removeprefix("torch."))
         if captured[-1] != self.producer.manifest("").num_hidden_layers:
             raise InputError(f"captured layers {captured} must end with the verifier's last layer",
                              "start vLLM through `dspark launch-vllm`, which appends it")

@@ -13,7 +13,7 @@ from typing import Literal
 from dspark.settings import check_settings, setting
 from dspark.data.prompts import parse_spec
 from dspark.errors import InputError
-from dspark.eval.teacher_forced import ANCHOR_SEED, MAX_ANCHORS
+from dspark.eval.config import TeacherForcedConfig
 from dspark.kinds import DSPARK_LAYOUT, LAYOUTS
 
 Layout = Literal[LAYOUTS]  # the DFlash family's decode layouts (dspark.kinds.dflash)
@@ -87,24 +87,9 @@ class DecodeConfig(DecodeOptions):
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(TeacherForcedConfig):
     """`dspark eval`: per-position acceptance and tau of a checkpoint; `decode` adds real decoding."""
 
-    checkpoint: str = setting(help="A checkpoint folder, e.g. RUN/latest.")
-    store: str | None = setting(None, "The Zarr store to score on (default: the run's).")
-    data_path: str | None = setting(None, "Prepared data (default: the run's).")
-    verifier_name_or_path: str | None = setting(
-        None, "Verifier folder or cached hub id (default: the run's).")
-    split: Literal["val", "all"] = setting("val")
-    output: str | None = setting(None, "Folder for eval.json/.md/.png (default: CHECKPOINT/eval).")
-    device: str = setting("auto")
-    on_damaged: Literal["skip", "raise"] = setting(
-        "skip", "A sample failing its checksum (or whose chunk is lost): skip it, named at the end, or stop.")
-    max_anchors: int = setting(
-        MAX_ANCHORS, "Blocks to score: a seeded uniform sample of N of the split's anchors; 0 scores every one. "
-                     "The report says how many of how many.", ge=0, metavar="N")
-    anchor_seed: int = setting(ANCHOR_SEED, "Which anchors are sampled: the same seed scores the same blocks, so "
-                                            "checkpoints of one run compare on them.")
     decode: bool = setting(False, "Also decode for real: the drafter proposes, the verifier checks, on --prompts; "
                                   "per-position acceptance per set, long-context buckets, speedup "
                                   "(decode.json/.md/.png).", negatable=False)

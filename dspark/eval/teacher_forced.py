@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from dspark.errors import InputError
+from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.report import EVAL_DIR, save_figure, write_report
 from dspark.tracking.run import log_results, results_trackers
 
@@ -33,11 +34,6 @@ if TYPE_CHECKING:  # torch loads inside the functions: `dspark eval`'s settings 
     import torch
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-# Blocks scored per eval, over all batches: a rate's standard error is at most 0.5/sqrt(2048) = 0.011,
-# and 2048 blocks take about a minute on 2 CPU cores for a 135M verifier (every anchor of 24
-# ShareGPT samples, 17,765 blocks, took 12 minutes). 0 scores every anchor.
-MAX_ANCHORS = 2048
-ANCHOR_SEED = 0  # which anchors: the same seed scores the same blocks, so two checkpoints compare on them
 
 
 def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
@@ -93,8 +89,8 @@ def allocate_anchors(available: list[int], max_anchors: int, seed: int) -> list[
     return np.random.default_rng(seed).multivariate_hypergeometric(available, max_anchors).tolist()
 
 
-def evaluate(model, data, batches, device: torch.device, max_anchors: int = MAX_ANCHORS,
-             anchor_seed: int = ANCHOR_SEED, progress: bool = True) -> dict:
+def evaluate(model, data, batches, device: torch.device, max_anchors: int, anchor_seed: int,
+             progress: bool = True) -> dict:
     """Score `batches` on a seeded sample of anchors, chaining the drafts as decoding does, with the real context
     states and each control (`train/blocks.py`)."""
     from tqdm import tqdm
@@ -283,11 +279,9 @@ def plot(result: dict, path: Path, title: str) -> None:
     save_figure(fig, path, title)
 
 
-def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier: str | None, output: str | None,
-             split: str, device: str = "auto", on_damaged: str = "skip", max_anchors: int = MAX_ANCHORS,
-             anchor_seed: int = ANCHOR_SEED, progress: bool = True) -> tuple[dict, Path]:
-    """Score a checkpoint on a seeded sample of `max_anchors` blocks (0: all); damaged samples are skipped and
-    named (`on_damaged="skip"`) or stop it ("raise")."""
+def run_eval(cfg: TeacherForcedConfig, progress: bool = True) -> tuple[dict, Path]:
+    """Score a checkpoint on a seeded sample of `cfg.max_anchors` blocks (0: all); damaged samples are skipped and
+    named (`--on-damaged skip`) or stop it (raise)."""
     import sys
 
     from dspark.connector.base import open_store
@@ -298,36 +292,37 @@ def run_eval(checkpoint: str, store: str | None, data_path: str | None, verifier
     from dspark.train.data import TrainData
     from dspark.train.device import pick_device
 
-    ckpt = require_checkpoint(checkpoint)
-    dev = pick_device(device, 0)
+    ckpt = require_checkpoint(cfg.checkpoint)
+    dev = pick_device(cfg.device, 0)
     run_root = ckpt.parent.parent
     results_trackers(ckpt)  # they get the results: a damaged trackers.json is one line now, not after the scoring
+    store, data_path, verifier = cfg.store, cfg.data_path, cfg.verifier_name_or_path
     if (run_root / "config.json").exists():
-        cfg = TrainConfig.load(run_root)
+        run = TrainConfig.load(run_root)
     elif data_path is None:
         raise InputError(f"{ckpt} is not inside a run folder, so the prepared data is unknown", "pass --data-path")
     else:  # a bare checkpoint: the loop's defaults
-        cfg = TrainConfig(store=store, data_path=data_path, verifier_name_or_path=verifier or "", save_path="",
+        run = TrainConfig(store=store, data_path=data_path, verifier_name_or_path=verifier or "", save_path="",
                           target_layer_ids=[])
-    store = store or cfg.store  # a run records the store it trained from
+    store = store or run.store  # a run records the store it trained from
     if not store:
         raise InputError(f"{ckpt} does not record its store", "pass --store")
-    model = load_checkpoint(ckpt, verifier or cfg.verifier_name_or_path or None, dev)
+    model = load_checkpoint(ckpt, verifier or run.verifier_name_or_path or None, dev)
     kind = kind_of(model.config.to_dict(), f"{ckpt}/config.json")
     if not kind.blocks:
         raise InputError(f"{ckpt} is an {kind.title} drafter: teacher-forced eval scores the blocks of DFlash-family "
                          "drafters", "measure it by decoding: `dspark eval --decode` or `dspark compare`")
-    source = open_store(store, cfg.source)  # a live run's cache, or the store it read
-    data = TrainData(source, PreparedData(data_path or cfg.data_path), cfg.total_seq_len, cfg.train_data_ratio,
-                     cfg.seed, on_damaged, verifier or cfg.verifier_name_or_path or None,
+    source = open_store(store, run.source)  # a live run's cache, or the store it read
+    data = TrainData(source, PreparedData(data_path or run.data_path), run.total_seq_len, run.train_data_ratio,
+                     run.seed, cfg.on_damaged, verifier or run.verifier_name_or_path or None,
                      layers=model.target_layer_ids)  # the drafter's layers, of the store's
-    batches = data.val_batches() if split == "val" else data.pack(sorted(source.sample_ids))
-    result = evaluate(model, data, batches, dev, max_anchors, anchor_seed, progress)
-    result.update(checkpoint=str(ckpt), store=str(store), split=split)
+    batches = data.val_batches() if cfg.split == "val" else data.pack(sorted(source.sample_ids))
+    result = evaluate(model, data, batches, dev, cfg.max_anchors, cfg.anchor_seed, progress)
+    result.update(checkpoint=str(ckpt), store=str(store), split=cfg.split)
     if data.damaged:
         result["damaged_skipped"] = sorted(data.damaged)
         print(f"warning: {data.damaged_report()}", file=sys.stderr)
-    out = Path(output) if output else ckpt / EVAL_DIR
-    write_report(result, out, "eval", markdown, plot, f"{ckpt.parent.parent.name}/{ckpt.name} on {split}")
+    out = Path(cfg.output) if cfg.output else ckpt / EVAL_DIR
+    write_report(result, out, "eval", markdown, plot, f"{ckpt.parent.parent.name}/{ckpt.name} on {cfg.split}")
     log_results(ckpt, tracked(result), [out / "eval.png"])
     return result, out

@@ -1,5 +1,6 @@
 """The extraction engine seam: what `dspark extract` needs of a verifier runtime.
 
+    open(cfg, verifier, sinks)  builds it from `dspark extract`'s settings, on the resolved verifier
     construct      loads the verifier; `dtype_name` is the dtype its states come in;
                    `writes_elsewhere` says its samples are written by another process
     run(batch, sink)  every (sample id, token ids) of the batch ends up handed to a sink:
@@ -20,12 +21,18 @@ import numpy as np
 
 from dspark.connector.base import Sink
 from dspark.connector.config import SinkConfig
-from dspark.extract.config import ENGINES
+from dspark.extract.config import ENGINES, ExtractConfig
+from dspark.verifier.resolved import Verifier
 
 
 class Engine(ABC):
     dtype_name: str
     writes_elsewhere: bool = False
+
+    @classmethod
+    @abstractmethod
+    def open(cls, cfg: ExtractConfig, verifier: Verifier, sinks: SinkConfig) -> Engine:
+        """This engine as `dspark extract`'s settings ask for it (a setting it cannot honour is one line)."""
 
     @abstractmethod
     def run(self, batch: list[tuple[int, np.ndarray]], sink: Sink) -> None: ...
@@ -39,9 +46,6 @@ def engine_class(name: str) -> type[Engine]:
     return ENGINES[name]
 
 
-def open_engine(name: str, *, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
-                dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
-                tensor_parallel_size: int = 1) -> Engine:
-    return engine_class(name)(model=model, target_layer_ids=target_layer_ids, sinks=sinks, device=device,
-                              dtype=dtype, trust_remote_code=trust_remote_code, prefix_caching=prefix_caching,
-                              tensor_parallel_size=tensor_parallel_size)
+def open_engine(cfg: ExtractConfig, verifier: Verifier, sinks: SinkConfig) -> Engine:
+    """The engine `cfg.engine` names, built from the extract settings it reads, on the resolved verifier."""
+    return engine_class(cfg.engine).open(cfg, verifier, sinks)

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 from dspark.connector.manifest import default_store
 from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
 from dspark.connector.base import open_store
 from dspark.connector.config import SinkConfig
-from dspark.extract.config import ExtractConfig
-from dspark.verifier.fingerprint import tokenizer_hash
+from dspark.extract.config import ExtractConfig, RepairConfig
+from dspark.verifier.resolved import Verifier
 from dspark.data.prepare import PreparedData
 
 
@@ -68,16 +67,18 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
     from tqdm import tqdm
 
     shard_i, shard_n = parse_shard(cfg.shard)
+    verifier = Verifier.resolve(cfg.model, trust_remote_code=cfg.trust_remote_code,
+                                fix="pass --model a local Hugging Face model folder")
     data = PreparedData(cfg.data)
     out = cfg.sink
     if out.store is None and out.needs_store:
-        out = out.with_store(default_store(cfg.model, cfg.target_layer_ids, data.fingerprint))
-    if data.tokenizer_hash != tokenizer_hash(Path(cfg.model)):
+        out = out.with_store(default_store(verifier.folder, cfg.target_layer_ids, data.fingerprint))
+    if data.tokenizer_hash != verifier.tokenizer_hash:
         raise StoreMismatch(f"prepared data {cfg.data} was tokenized with another tokenizer than {cfg.model}",
                             "rerun `dspark prepare` with this --model")
     existing = out.existing_manifest()  # refuses a --codec other than the store's
     if existing and existing.require_match(  # before the model loads; the sink checks again
-            out.store, "use a new --store folder, or the verifier it was made from", verifier=cfg.model,
+            out.store, "use a new --store folder, or the verifier it was made from", verifier=verifier,
             accept_other_weights=out.accept_other_weights):
         print(f"store {out.store}: extracting with other verifier weights than the store's (--accept-other-weights); "
               "the new segment records them (`dspark store info` lists it)", file=sys.stderr)
@@ -93,11 +94,8 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
         print(f"store {out.store}: {bad_records} damaged index records; the samples they held are missing and "
               f"extracted again", file=sys.stderr)
     sinks = out.for_data(data.fingerprint, rewrite)
-    engine = open_engine(cfg.engine, model=cfg.model, target_layer_ids=cfg.target_layer_ids, sinks=sinks,
-                         device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code,
-                         prefix_caching=cfg.prefix_caching, tensor_parallel_size=cfg.tensor_parallel_size)
-    manifest = sinks.manifest(cfg.model, cfg.target_layer_ids, data.fingerprint, engine.dtype_name,
-                              cfg.trust_remote_code)
+    engine = open_engine(cfg, verifier, sinks)
+    manifest = sinks.manifest(verifier, cfg.target_layer_ids, data.fingerprint, engine.dtype_name)
 
     sink = sinks.open(manifest)
     tokens, t0 = 0, time.perf_counter()
@@ -136,9 +134,7 @@ def run_extract(cfg: ExtractConfig, progress: bool = True, rewrite: dict[int, st
             "seconds": round(elapsed, 2), "tokens_per_s": round(tokens / max(elapsed, 1e-9))}
 
 
-def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tokens: int = 8192,
-               max_batch_size: int = 64, trust_remote_code: bool = False, progress: bool = True,
-               accept_other_weights: bool = False) -> dict:
+def run_repair(cfg: RepairConfig, progress: bool = True) -> dict:
     """Re-extract exactly the damaged and missing samples of a store into a new segment.
 
     Reads every sample back (its source's `verify`), then runs the extraction with the
@@ -147,24 +143,26 @@ def run_repair(store: str, data: str, model: str, device: str = "cpu", batch_tok
     --batch-tokens/--max-batch-size the new copies are byte-identical on CPU. A verifier with
     other weights than the store's is refused before anything is read, unless accepted.
     """
+    store, data = cfg.store, cfg.data
+    verifier = Verifier.resolve(cfg.model, trust_remote_code=cfg.trust_remote_code)
     s = open_store(store)
     prepared = PreparedData(data)
-    s.manifest.require_match(store, "pass --data the prepared folder the store was extracted from", verifier=model,
-                             accept_other_weights=accept_other_weights, prepared_fingerprint=prepared.fingerprint)
+    s.manifest.require_match(store, "pass --data the prepared folder the store was extracted from", verifier=verifier,
+                             accept_other_weights=cfg.accept_other_weights, prepared_fingerprint=prepared.fingerprint)
     found = s.verify(expected=len(prepared), progress=progress)
     todo = sorted(set(found.damaged) | set(found.missing))
     out = {"store": store, "damaged": len(found.damaged), "missing": len(found.missing),
            "damaged_index_records": len(found.damaged_records), "re_extracted": todo[:100]}
     if todo:
         m = s.manifest
-        sinks = SinkConfig.rewriting(store, m, accept_other_weights)
-        cfg = ExtractConfig(model=model, data=data, target_layer_ids=m.target_layer_ids, device=device, dtype=m.dtype,
-                            batch_tokens=batch_tokens, max_batch_size=max_batch_size,
-                            trust_remote_code=trust_remote_code, sink=sinks)
-        out["extract"] = run_extract(cfg, progress, rewrite=found.damaged)
+        sinks = SinkConfig.rewriting(store, m, cfg.accept_other_weights)
+        extract = ExtractConfig(model=str(verifier), data=data, target_layer_ids=m.target_layer_ids, device=cfg.device,
+                                dtype=m.dtype, batch_tokens=cfg.batch_tokens, max_batch_size=cfg.max_batch_size,
+                                trust_remote_code=cfg.trust_remote_code, sink=sinks)
+        out["extract"] = run_extract(extract, progress, rewrite=found.damaged)
     after = open_store(store).verify(todo, len(prepared))
     if after.damaged or after.missing:
         raise StoreError(f"store {store} still has problems after the repair: " + "; ".join(after.problems),
-                         f"see the log above, then rerun {repair_command(store, data, model)}")
+                         f"see the log above, then rerun {repair_command(store, data, cfg.model)}")
     s.repaired(found)  # every sample is stored again: the damage it found hides nothing any more
     return out

@@ -16,8 +16,9 @@ import torch
 from dspark.connector.base import Sample, Sink
 from dspark.errors import InputError
 from dspark.extract.base import Engine
-from dspark.verifier.info import VerifierInfo
-from dspark.verifier.check import check_verifier_config
+from dspark.connector.config import SinkConfig
+from dspark.extract.config import ExtractConfig
+from dspark.verifier.resolved import Verifier
 
 
 def decoder_stack(model):
@@ -44,16 +45,20 @@ def capture_layers(model, layer_ids: list[int]) -> dict[int, torch.Tensor]:
 
 
 class TransformersEngine(Engine):
-    def __init__(self, model: str | Path, target_layer_ids: list[int], device: str = "cpu",
-                 dtype: str | None = None, trust_remote_code: bool = False, tensor_parallel_size: int = 1, **_):
+    @classmethod
+    def open(cls, cfg: ExtractConfig, verifier: Verifier, sinks: SinkConfig) -> TransformersEngine:
+        if cfg.tensor_parallel_size != 1:
+            raise InputError(f"--tensor-parallel-size {cfg.tensor_parallel_size} needs the vllm engine",
+                             "pass --engine vllm, or run one process per device with --shard INDEX/COUNT")
+        return cls(verifier, cfg.target_layer_ids, device=cfg.device, dtype=cfg.dtype,
+                   trust_remote_code=cfg.trust_remote_code)
+
+    def __init__(self, model: str | Path | Verifier, target_layer_ids: list[int], *, device: str,
+                 dtype: str | None = None, trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 
-        if tensor_parallel_size != 1:
-            raise InputError(f"--tensor-parallel-size {tensor_parallel_size} needs the vllm engine",
-                             "pass --engine vllm, or run one process per device with --shard INDEX/COUNT")
-        path = Path(model)
-        info = VerifierInfo.load(path, fix="pass --model a local Hugging Face model folder")
-        check_verifier_config(info, dtype)
+        verifier = Verifier.resolve(model, fix="pass --model a local Hugging Face model folder").check(dtype)
+        path, info = verifier.folder, verifier.info
         self.num_layers = info.num_hidden_layers
         self.hidden_size = info.hidden_size
         self.target_layer_ids = info.check_layer_ids(target_layer_ids)

@@ -19,9 +19,10 @@ from dspark.connector.base import Sink
 from dspark.connector.config import SinkConfig
 from dspark.errors import InputError
 from dspark.extract.base import Engine
-from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
+from dspark.extract.config import ExtractConfig
+from dspark.extract.launch import CONNECTOR, aux_layer_ids, speculative_config
 from dspark.vllm_server import RUNNER_ENV, cpu_env
-from dspark.verifier.check import check_verifier_config
+from dspark.verifier.resolved import Verifier
 
 
 def expected_runner() -> str:
@@ -37,16 +38,19 @@ def expected_runner() -> str:
 class VllmEngine(Engine):
     writes_elsewhere = True  # our KV connector writes, inside vLLM's worker
 
-    def __init__(self, model: str, target_layer_ids: list[int], sinks: SinkConfig, device: str = "cpu",
-                 dtype: str | None = None, trust_remote_code: bool = False, prefix_caching: bool = True,
-                 tensor_parallel_size: int = 1, **_):
+    @classmethod
+    def open(cls, cfg: ExtractConfig, verifier: Verifier, sinks: SinkConfig) -> VllmEngine:
+        return cls(cfg, verifier, sinks)
+
+    def __init__(self, cfg: ExtractConfig, verifier: Verifier, sinks: SinkConfig):
+        dtype = cfg.dtype
         try:
             from vllm import LLM, __version__
         except ImportError:
             raise InputError("vLLM is not installed in this environment",
                              "run from .venv-vllm (bash scripts/setup.sh --vllm), or use --engine transformers") from None
         # On a GPU the weights go to device memory, which vLLM itself checks.
-        check_verifier_config(model, dtype, host_memory=not torch.cuda.is_available())
+        verifier.check(dtype, host_memory=not torch.cuda.is_available())
         os.environ.update(cpu_env())
         # In-process engine core: a kill -9 of `dspark extract` leaves no orphaned engine behind,
         # and run() can step the engine until the connector has written everything.
@@ -54,12 +58,12 @@ class VllmEngine(Engine):
         # the workers' sinks are built before vLLM has decided, so the record is what it will decide, checked below
         runner = expected_runner()
         sinks = sinks.recording({"vllm_version": __version__, "vllm_model_runner": runner})
-        self.llm = LLM(model=str(model), dtype=dtype or "auto", trust_remote_code=trust_remote_code,
-                       tensor_parallel_size=tensor_parallel_size,
+        self.llm = LLM(model=str(verifier), dtype=dtype or "auto", trust_remote_code=cfg.trust_remote_code,
+                       tensor_parallel_size=cfg.tensor_parallel_size,
                        speculative_config=speculative_config(
-                           aux_layer_ids(target_layer_ids, num_hidden_layers(model, None))),
+                           aux_layer_ids(cfg.target_layer_ids, verifier.info.num_hidden_layers)),
                        kv_transfer_config={**CONNECTOR, "kv_connector_extra_config": sinks.to_extra_config()},
-                       enable_prefix_caching=prefix_caching, enforce_eager=not torch.cuda.is_available(),  # CPU: compiling costs ~50 s of startup
+                       enable_prefix_caching=cfg.prefix_caching, enforce_eager=not torch.cuda.is_available(),  # CPU: compiling costs ~50 s of startup
                        disable_log_stats=True)
         if ("v2" if self.llm.llm_engine.vllm_config.use_v2_model_runner else "v1") != runner:  # before any write
             raise InputError(f"vLLM chose another model runner than Model Runner {runner.upper()}, which the store's "

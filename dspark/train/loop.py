@@ -20,16 +20,15 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from importlib.metadata import version
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from dspark.connector.base import Source
+from dspark.connector.config import SinkConfig
 from dspark.connector.registry import BACKENDS, SOURCES
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
-from dspark.verifier.fingerprint import tokenizer_hash
 from dspark.kinds import KINDS
 from dspark.data.prepare import PreparedData
 from dspark.tracking.run import Tracking, flatten, require_installed
@@ -40,7 +39,7 @@ from dspark.train.config import TrainConfig
 from dspark.train.data import Loader, TrainData
 from dspark.train.metrics import MetricLog, accumulate, all_reduce, reduce
 from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs, model_inputs
-from dspark.verifier.info import VerifierInfo
+from dspark.verifier.resolved import Verifier
 
 
 @dataclass
@@ -77,27 +76,26 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def open_source(cfg: TrainConfig, prepared: PreparedData) -> Source:
+def open_source(cfg: TrainConfig, prepared: PreparedData, verifier: Verifier) -> Source:
     """The training data source named by --from: a Zarr store, or the live tiered source."""
     SOURCES.parse(cfg.source)
-    # a live source fetches samples of this identity; a store at rest reads its own
-    manifest = manifest_for_model(cfg.verifier_name_or_path, cfg.target_layer_ids, prepared.fingerprint,
-                                  trust_remote_code=cfg.trust_remote_code) if BACKENDS[cfg.source].live else None
+    # a live source fetches samples of this identity (as a server's sinks store them); a store at rest reads its own
+    manifest = manifest_for_model(verifier, cfg.target_layer_ids, prepared.fingerprint,
+                                  encoding=SinkConfig().encoding) if BACKENDS[cfg.source].live else None
     return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=cfg.live)
 
 
-def require_matching_store(source, cfg: TrainConfig) -> None:
+def require_matching_store(source, cfg: TrainConfig, verifier: Verifier | None = None) -> None:
     """The store must hold this verifier's states, at least at the layers this drafter reads."""
     m = source.manifest
     if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
         raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: layer ids: store "
                             f"{m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} (the store must "
                             "hold each of them)", "train with the layer ids the store was extracted with")
-    verifier = cfg.verifier_name_or_path
-    hidden_size = VerifierInfo.load(verifier).hidden_size
+    verifier = Verifier.resolve(verifier or cfg.verifier_name_or_path)
     if m.require_match(cfg.store, "train with the verifier the store was extracted with", verifier=verifier,
-                       accept_other_weights=cfg.accept_other_weights, hidden_size=hidden_size,
-                       tokenizer_hash=tokenizer_hash(Path(verifier))):
+                       accept_other_weights=cfg.accept_other_weights, hidden_size=verifier.info.hidden_size,
+                       tokenizer_hash=verifier.tokenizer_hash):
         print(f"warning: store {cfg.store} was extracted with other verifier weights than {verifier}; "
               "training on it anyway (--accept-other-weights, recorded in the run's config)", file=sys.stderr)
 
@@ -129,14 +127,15 @@ class Trainer:
         self.progress = progress and self.dist.main
         seed_everything(cfg.seed)
         self.prepared = PreparedData(cfg.data_path)
+        self.verifier = Verifier.resolve(cfg.verifier_name_or_path, trust_remote_code=cfg.trust_remote_code)
         if cfg.store is None:  # resolved here, so the run's record names the folder it used
-            cfg.store = default_store(cfg.verifier_name_or_path, cfg.target_layer_ids, self.prepared.fingerprint)
-        self.source = open_source(cfg, self.prepared)
-        require_matching_store(self.source, cfg)
+            cfg.store = default_store(self.verifier.folder, cfg.target_layer_ids, self.prepared.fingerprint)
+        self.source = open_source(cfg, self.prepared, self.verifier)
+        require_matching_store(self.source, cfg, self.verifier)
         self.data = TrainData(self.source, self.prepared, cfg.total_seq_len, cfg.train_data_ratio, cfg.seed,
                               cfg.on_damaged, cfg.verifier_name_or_path, int(cfg.keep_in_memory_gib * 2**30),
                               cfg.target_layer_ids)
-        self.model = build_model(cfg, self.prepared, self.device)
+        self.model = build_model(cfg, self.prepared, self.device, self.verifier)
         self.loss_kw = loss_kwargs(self.model, cfg, self.device)
         self.epoch_plan = [self._my_batches(self.data.epoch_batches(e)) for e in range(cfg.epochs)]
         self.total_steps = sum(map(len, self.epoch_plan))

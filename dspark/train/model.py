@@ -11,7 +11,7 @@ from dspark.kinds import KINDS
 from dspark.data.prepare import PreparedData, load_tokenizer
 from dspark.train.config import TrainConfig
 from dspark.train.muon import Muon, ns_dtype_for
-from dspark.verifier.check import check_verifier_config
+from dspark.verifier.resolved import Verifier
 
 
 def attn_impl(device: torch.device) -> str:
@@ -61,14 +61,15 @@ def mask_token_id(cfg: TrainConfig) -> int:
     return token
 
 
-def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device):
-    """speculators' drafter of the run's kind: what every kind takes here, the kind's own arguments from the kind."""
+def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device, verifier: Verifier | None = None):
+    """speculators' drafter of the run's kind: what every kind takes here, the kind's own arguments from the kind.
+    `verifier`: the run's, resolved where the command started (else from cfg)."""
     from speculators.models.utils import get_verifier_config
     from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
 
     kind = KINDS[cfg.speculator_type]
-    verifier = cfg.verifier_name_or_path
-    check_verifier_config(verifier, host_memory=False)  # only its embedding is loaded here, not the whole model
+    # only its embedding is loaded here, not the whole model
+    verifier = str(Verifier.resolve(verifier or cfg.verifier_name_or_path).check(host_memory=False))
     vcfg = get_verifier_config(verifier, trust_remote_code=cfg.trust_remote_code)
     if cfg.draft_config:
         layer_cfg = load_draft_transformer_layer_config(cfg.draft_config, verifier, cfg.trust_remote_code)
