@@ -25,8 +25,9 @@ _EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
 _given: set[int] = set()  # never hand out a port twice in one process: its server may not be up yet
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now, outside the kernel's ephemeral range, and not given out before.
+def free_port(host: str) -> int:
+    """A port free now on `host` (where its server will listen: "127.0.0.1", or "" for every interface),
+    outside the kernel's ephemeral range, and not given out before.
 
     A port the kernel handed out (bind to port 0) is in that range, so until its
     server binds it, any outgoing connection or bind to port 0 on the host may take

@@ -98,7 +98,8 @@ def main():
     try:
         prepared = make_prepared(base / "prepared", args.samples, args.tokens)
         store = make_store(base / "store", prepared, args.hidden, args.layers)
-        data = TrainData(store, prepared, args.total_seq_len, train_ratio=1 - 1 / args.samples, seed=0)  # one held out: the split needs both sides
+        data = TrainData(store, prepared, args.total_seq_len, train_ratio=1 - 1 / args.samples, seed=0,
+                         on_damaged="skip")  # one held out: the split needs both sides
         print(f"# {args.samples} samples x {args.tokens} tokens x {args.layers} layers x {args.hidden} hidden "
               f"({args.layers * args.hidden * 2 / 1e3:.0f} KB/token), store {store.disk_bytes() / 1e9:.2f} GB on disk; "
               f"{args.workers} reader threads, {args.prefetch} batches ahead")

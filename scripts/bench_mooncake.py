@@ -168,8 +168,8 @@ def main():
     args = ap.parse_args()
     proc = None
     if args.master is None:
-        port = free_port()
-        proc = subprocess.Popen([master_binary(), *MasterConfig(port=port, metrics_port=free_port()).argv()],
+        port = free_port("127.0.0.1")
+        proc = subprocess.Popen([master_binary(), *MasterConfig(port=port, metrics_port=free_port("127.0.0.1")).argv()],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         args.master = f"127.0.0.1:{port}"
         if wait(f"tcp://{args.master}", timeout=30):

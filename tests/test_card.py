@@ -130,7 +130,7 @@ def run(argv: list[str], hf_home: Path, cwd: Path, **kw) -> subprocess.Completed
 
 def start_master() -> tuple[subprocess.Popen, str]:
     """The card's master line, on free ports (the card's 50051 and 9003 may be taken on a test machine)."""
-    rpc, metrics = free_port(), free_port()
+    rpc, metrics = free_port("127.0.0.1"), free_port("127.0.0.1")
     argv = card("master", **{"50051": rpc, "9003": metrics})
     proc = subprocess.Popen([master_binary(), *argv[1:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -183,7 +183,7 @@ def test_the_train_line_runs_up_to_connecting_to_the_master(hf_home, tmp_path):
     chat, prepared = tmp_path / "chat.jsonl", tmp_path / "prepared"
     chat.write_text(demo_chat_path().read_text() * 4)  # a batch of --total-seq-len 8192 for each of 8 ranks
     assert run(card("prepare", **{"<chat.jsonl>": chat, "<prepared>": prepared}), hf_home, tmp_path).returncode == 0
-    master = f"127.0.0.1:{free_port()}"  # nothing listens there
+    master = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     argv = card("train", **{"<prepared>": prepared, "<run>": tmp_path / "run", "head:50051": master})
     settings = run(["python", *argv[3:], "--print-config"], hf_home, tmp_path)  # one process: what it parsed
     assert settings.returncode == 0, settings.stderr
@@ -205,7 +205,7 @@ def test_the_launch_line_starts_vllm_here_and_waits_on_the_port_after_dashdash(h
     and the launcher says it is ready once /health answers on the port given after `--`."""
     assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
     master, address = start_master()
-    port = free_port()
+    port = free_port("127.0.0.1")
     argv, env = _setup(on_cpu(card("launch", **{"vllm_venv/bin/python": VLLM_PY, "head:50051": address,
                                                 "--port 8000": f"--port {port}"})), hf_home, tmp_path)
     log = tmp_path / "launch.log"

@@ -36,8 +36,8 @@ def wait(predicate, timeout: float) -> bool:
 
 
 def test_a_server_step_runs_until_the_pipeline_is_done(tmp_path):
-    port = free_port()
-    env = step_env(tmp_path, MOONCAKE_PORT=str(port), MOONCAKE_METRICS_PORT=str(free_port()))
+    port = free_port("127.0.0.1")
+    env = step_env(tmp_path, MOONCAKE_PORT=str(port), MOONCAKE_METRICS_PORT=str(free_port("127.0.0.1")))
     done = tmp_path / ".compose" / "t.done"
     done.parent.mkdir()
     done.write_text("train exited with status 0")

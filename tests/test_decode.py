@@ -13,11 +13,14 @@ from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
 from dspark.decode.proposal import Proposal
 from dspark.decode.report import difference, summarize
-from dspark.decode.config import DecodeConfig
+from dspark.decode.config import DecodeConfig, SamplingConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.errors import InputError
 from dspark.eval.teacher_forced import load_checkpoint
 from dspark.data.prepare import PreparedData
+
+
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 def refuse_non_json(token):
@@ -28,7 +31,7 @@ def refuse_non_json(token):
 def decoder(reference_run, verifier):
     c, _ = reference_run
     model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
-    return model, Verifier(verifier, model.target_layer_ids)
+    return model, Verifier(verifier, model.target_layer_ids, "float32")
 
 
 @pytest.mark.parametrize("sample_from_anchor", [True, False])
@@ -38,11 +41,11 @@ def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anc
     cfg = train_cfg(store, prepared, verifier, tmp_path / "r", sample_from_anchor=sample_from_anchor)
     torch.manual_seed(0)
     model = build_model(cfg, PreparedData(prepared), torch.device("cpu")).eval()
-    drafter = Drafter(model)
+    drafter = Drafter(model, "dspark")
     assert drafter.num_speculative_tokens == (8 if sample_from_anchor else 7)
     ids, mask = PreparedData(prepared).sample(2)
     ids = torch.as_tensor(ids.astype(np.int64))
-    v = Verifier(verifier, cfg.target_layer_ids)
+    v = Verifier(verifier, cfg.target_layer_ids, "float32")
     v.reset()
     _, states = v.forward(ids)
     T, anchor = len(ids), int(np.argmax(mask > 0)) + 3
@@ -61,7 +64,7 @@ def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(dec
     model, v = decoder
     cached, reference = Drafter(model, layout), Drafter(model, layout, kv_cache=False)
     prompt = prompt_ids(prepared, 1)[0]
-    ids = prompt + autoregressive(v, prompt, 48).tokens
+    ids = prompt + autoregressive(v, prompt, 48, sampling=GREEDY).tokens
     v.reset()
     _, states = v.forward(ids)
     P = len(prompt)
@@ -71,12 +74,13 @@ def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(dec
         anchor = ids[ctx.length]
         torch.testing.assert_close(model.lm_head(cached._block_hidden(ctx, anchor)),
                                    model.lm_head(reference._block_hidden(ref, anchor)), rtol=1e-4, atol=1e-4)
-        ours, theirs = cached.propose(ctx, anchor), reference.propose(ref, anchor)
+        ours, theirs = cached.propose(ctx, anchor, GREEDY), reference.propose(ref, anchor, GREEDY)
         assert ours.tokens.tolist() == theirs.tokens.tolist()
         if layout == "dspark":
             torch.testing.assert_close(ours.confidence, theirs.confidence, rtol=1e-4, atol=1e-5)
         g1, g2 = torch.Generator().manual_seed(step), torch.Generator().manual_seed(step)
-        ours, theirs = cached.propose(ctx, anchor, 1.0, g1), reference.propose(ref, anchor, 1.0, g2)
+        hot = SamplingConfig(temperature=1.0)
+        ours, theirs = cached.propose(ctx, anchor, hot, g1), reference.propose(ref, anchor, hot, g2)
         assert ours.tokens.tolist() == theirs.tokens.tolist()
         torch.testing.assert_close(ours.probs, theirs.probs, rtol=1e-4, atol=1e-6)
         cached.extend(ctx, ids[ctx.length:ctx.length + n], states[ctx.length:ctx.length + n])
@@ -85,7 +89,7 @@ def test_the_cached_context_proposes_what_recomputing_it_every_step_proposes(dec
     assert ctx.capacity > P + 9 + cached.slots  # it grew
     ctx.rewind(P)  # a prompt's context, reused: the same proposals as a new one
     fresh = cached.context(ids[:P], states[:P])
-    assert cached.propose(ctx, ids[P]).tokens.tolist() == cached.propose(fresh, ids[P]).tokens.tolist()
+    assert cached.propose(ctx, ids[P], GREEDY).tokens.tolist() == cached.propose(fresh, ids[P], GREEDY).tokens.tolist()
     torch.testing.assert_close(cached._block_hidden(ctx, ids[P]), cached._block_hidden(fresh, ids[P]),
                                rtol=0, atol=0)
 
@@ -114,10 +118,10 @@ def test_the_verifiers_grouped_query_attention_computes_what_transformers_sdpa_d
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder, prepared, temperature):
     model, v = decoder
-    drafter, eos = Drafter(model), {v.model.config.eos_token_id}
+    drafter, eos = Drafter(model, "dspark"), {v.model.config.eos_token_id}
     prompt = prompt_ids(prepared, 3)[2]
     gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
-    kw = dict(temperature=temperature, eos=eos)
+    kw = dict(sampling=SamplingConfig(temperature=temperature), eos=eos)
     alone = [speculative(v, drafter, prompt, 40, gen=gen(), **kw), autoregressive(v, prompt, 40, gen=gen(), **kw),
              speculative(v, drafter, prompt, 40, gen=gen(), confidence_threshold=0.5, **kw)]
     pre = prefill(v, drafter, prompt)
@@ -130,7 +134,7 @@ def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder
         assert b.prefill_s == pre.seconds and b.seconds >= b.prefill_s + b.verify_s
     assert shared[0].draft_s >= pre.draft_s
     with pytest.raises(ValueError, match="another prompt"):
-        autoregressive(v, prompt[:-1], 4, prefilled=pre)
+        autoregressive(v, prompt[:-1], 4, sampling=GREEDY, prefilled=pre)
 
 
 @pytest.mark.parametrize("layout,threshold", [("dspark", None), ("dspark", 0.5), ("dflash-v1", None)])
@@ -140,8 +144,8 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
     traces = []
     eos = {v.model.config.eos_token_id}
     for prompt in prompt_ids(prepared, 6):
-        spec = speculative(v, drafter, prompt, 40, confidence_threshold=threshold, eos=eos)
-        assert spec.tokens == autoregressive(v, prompt, 40, eos=eos).tokens
+        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, confidence_threshold=threshold, eos=eos)
+        assert spec.tokens == autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos).tokens
         # every step yields its accepted drafts and one token of the verifier's; the last step may pass
         # 40 or a stop token, and is cut there: no step runs after the output is complete
         produced = [a + 1 for a in spec.accepted]
@@ -186,11 +190,11 @@ def test_a_stop_token_among_accepted_drafts_ends_the_request(decoder, prepared):
     model, v = decoder
     eos = {v.model.config.eos_token_id}
     prompt = prompt_ids(prepared, 1)[0]
-    reference = autoregressive(v, prompt, 64, eos=eos).tokens
+    reference = autoregressive(v, prompt, 64, sampling=GREEDY, eos=eos).tokens
     assert reference[-1] in eos, "the fixture's verifier should end this reply with its stop token"
     # a block size that puts the stop token inside a block: a step yields n accepted drafts + 1
     n = next(n for n in range(3, 10) if (len(reference) - 1) % (n + 1))
-    spec = speculative(v, _Oracle(reference, len(prompt), n), prompt, 64, eos=eos)
+    spec = speculative(v, _Oracle(reference, len(prompt), n), prompt, 64, sampling=GREEDY, eos=eos)
     assert spec.tokens == reference
     assert spec.accepted[:-1] == [n] * (len(spec.accepted) - 1)
     assert len(spec.accepted) == -(-(len(reference) - 1) // (n + 1))  # no step after the output is complete

@@ -65,8 +65,8 @@ def test_split_is_seeded(data, tmp_path):
 def test_impossible_splits_are_one_line_errors(data, tmp_path):
     path, _ = data
     with pytest.raises(InputError, match="leaves nothing to train on"):
-        split(path, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=22)
+        split(path, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=22, seed=0)
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
     with pytest.raises(InputError, match="is not JSON lines"):
-        split(path, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=1, exclude=[bad])
+        split(path, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=1, seed=0, exclude=[bad])

@@ -8,11 +8,15 @@ import pytest
 import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, fit
+from dspark.decode.config import SamplingConfig
 from dspark.decode.drafter import Drafter, drafter_for
 from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.verifier import Verifier
 from dspark.errors import InputError
 from dspark.eval.teacher_forced import load_checkpoint
+from dspark.kinds import DSPARK_LAYOUT
+
+GREEDY = SamplingConfig(temperature=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +37,10 @@ def eagle3_run(store, prepared, verifier, tmp_path_factory):
 def decodes_like_the_verifier(export_dir, verifier, prepared) -> None:
     """An exported folder (it names the verifier portably) loads in the decode loop and decodes losslessly."""
     model = load_checkpoint(export_dir, str(verifier), torch.device("cpu")).float()
-    drafter, v = drafter_for(model), Verifier(verifier, model.target_layer_ids)
+    drafter, v = drafter_for(model, DSPARK_LAYOUT), Verifier(verifier, model.target_layer_ids, "float32")
     prompt = prompt_ids(prepared, 1)[0]
-    assert speculative(v, drafter, prompt, 16).tokens == autoregressive(v, prompt, 16).tokens
+    assert speculative(v, drafter, prompt, 16, sampling=GREEDY).tokens == \
+        autoregressive(v, prompt, 16, sampling=GREEDY).tokens
 
 
 def test_a_dflash_run_trains_speculators_dflash_model_in_dflash_layout(dflash_run):
@@ -75,9 +80,9 @@ def test_an_eagle3_proposal_is_the_training_forward_at_that_anchor(eagle3_run, v
 
     c, _ = eagle3_run
     model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
-    drafter = drafter_for(model)
+    drafter = drafter_for(model, DSPARK_LAYOUT)
     ids = torch.tensor(prompt_ids(prepared, 3)[2] + [5, 9, 11, 7])
-    v = Verifier(verifier, model.target_layer_ids)
+    v = Verifier(verifier, model.target_layer_ids, "float32")
     v.reset()
     _, states = v.forward(ids)
     T = len(ids)
@@ -106,29 +111,29 @@ def test_eagle3_decodes_exactly_with_a_cached_context_reused_across_decodes(eagl
 
     c, _ = eagle3_run
     model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
-    drafter, v = drafter_for(model), Verifier(verifier, model.target_layer_ids)
-    eos = {v.model.config.eos_token_id}
+    drafter, v = drafter_for(model, DSPARK_LAYOUT), Verifier(verifier, model.target_layer_ids, "float32")
+    eos, sampling = {v.model.config.eos_token_id}, SamplingConfig(temperature=temperature)
     gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     for prompt in prompt_ids(prepared, 4):
-        alone = speculative(v, drafter, prompt, 32, temperature=temperature, eos=eos, gen=gen())
+        alone = speculative(v, drafter, prompt, 32, sampling=sampling, eos=eos, gen=gen())
         pre = prefill(v, drafter, prompt)
         for _ in range(2):  # a prompt's context rewound and decoded again: the same steps
-            again = speculative(v, drafter, prompt, 32, temperature=temperature, eos=eos, gen=gen(), prefilled=pre)
+            again = speculative(v, drafter, prompt, 32, sampling=sampling, eos=eos, gen=gen(), prefilled=pre)
             assert (again.tokens, again.accepted) == (alone.tokens, alone.accepted)
         if temperature == 0:
-            assert alone.tokens == autoregressive(v, prompt, 32, eos=eos).tokens
+            assert alone.tokens == autoregressive(v, prompt, 32, sampling=GREEDY, eos=eos).tokens
 
 
 def test_greedy_decoding_with_a_dflash_drafter_is_the_verifiers_own_output(dflash_run, verifier, prepared):
     c, _ = dflash_run
     model = load_checkpoint(os.path.join(c.save_path, "latest"), None, torch.device("cpu")).float()
-    drafter, v = Drafter(model), Verifier(verifier, model.target_layer_ids)
+    drafter, v = Drafter(model, DSPARK_LAYOUT), Verifier(verifier, model.target_layer_ids, "float32")
     assert drafter.confidence is None and drafter.markov is None and drafter.num_speculative_tokens == 7
     eos = {v.model.config.eos_token_id}
     accepted = 0
     for prompt in prompt_ids(prepared, 4):
-        spec = speculative(v, drafter, prompt, 32, eos=eos)
-        assert spec.tokens == autoregressive(v, prompt, 32, eos=eos).tokens
+        spec = speculative(v, drafter, prompt, 32, sampling=GREEDY, eos=eos)
+        assert spec.tokens == autoregressive(v, prompt, 32, sampling=GREEDY, eos=eos).tokens
         accepted += sum(spec.accepted)
     assert accepted > 0
 

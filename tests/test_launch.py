@@ -222,7 +222,7 @@ def _alive(pid: int) -> bool:
 def fake(tmp_path):
     script = tmp_path / "fake_server.py"
     script.write_text(FAKE_SERVER)
-    port, pids = free_port(), tmp_path / "pids"
+    port, pids = free_port("127.0.0.1"), tmp_path / "pids"
 
     def command(delay: float, mode: str) -> list[str]:
         return [sys.executable, str(script), str(port), str(delay), mode, str(pids)]

@@ -37,19 +37,19 @@ def test_ready_servers_pass_and_others_fail_with_one_line(http_server):
     assert net("wait", f"{http_server}/health").returncode == 0
     refused = net("wait", f"{http_server}/busy")  # answers, but not 2xx: not ready
     assert refused.returncode == 1 and refused.stderr == f"error: {http_server}/busy does not answer\n"
-    closed = net("wait", f"tcp://127.0.0.1:{free_port()}", "--timeout", "1", "--name", "master")
+    closed = net("wait", f"tcp://127.0.0.1:{free_port('127.0.0.1')}", "--timeout", "1", "--name", "master")
     assert closed.returncode == 1 and "master (tcp://" in closed.stderr and "not ready after 1s" in closed.stderr
 
 
 def test_waiting_stops_as_soon_as_the_starting_server_exits():
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    why = wait(f"tcp://127.0.0.1:{free_port()}", timeout=60, pid=gone.pid, name="vLLM", every=0.1)
+    why = wait(f"tcp://127.0.0.1:{free_port('127.0.0.1')}", timeout=60, pid=gone.pid, name="vLLM", every=0.1)
     assert why is not None and why.startswith("vLLM (tcp://") and why.endswith("exited before it was ready")
 
 
 def test_waiting_ends_when_the_server_comes_up():
-    port = free_port()
+    port = free_port("127.0.0.1")
     late = threading.Timer(0.5, lambda: server.append(socket.create_server(("127.0.0.1", port))))
     server: list = []
     late.start()

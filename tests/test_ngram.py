@@ -8,16 +8,19 @@ import pytest
 import torch
 
 from conftest import LAYERS, prompt_ids
+from dspark.decode.config import PromptLookupConfig, SamplingConfig
 from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.ngram import NgramDrafter, lookup
 from dspark.decode.report import summarize
 from dspark.decode.verifier import Verifier
 from test_live import VLLM_PY
 
+GREEDY = SamplingConfig(temperature=0.0)
+
 
 @pytest.fixture(scope="module")
 def decoder_verifier(verifier):
-    return Verifier(verifier, LAYERS)
+    return Verifier(verifier, LAYERS, "float32")
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +67,12 @@ def test_lookup_equals_vllms_own_ngram_proposer_on_random_requests():
 def test_greedy_ngram_decoding_is_the_verifiers_own_output_and_counts_only_drafted_steps(decoder_verifier, prompts):
     v = decoder_verifier
     eos = {v.model.config.eos_token_id}
-    drafter = NgramDrafter(v.model.config.vocab_size, num_speculative_tokens=4, prompt_lookup_min=1,
-                           prompt_lookup_max=3)
+    drafter = NgramDrafter(v.model.config.vocab_size, num_speculative_tokens=4,
+                           lookup=PromptLookupConfig(prompt_lookup_min=1, prompt_lookup_max=3))
     traces = []
     for prompt in prompts:
-        spec = speculative(v, drafter, prompt, 40, eos=eos)
-        assert spec.tokens == autoregressive(v, prompt, 40, eos=eos).tokens
+        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, eos=eos)
+        assert spec.tokens == autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos).tokens
         traces.append(spec)
     s = summarize(traces, drafter.num_speculative_tokens)
     assert 0 < s["drafted_steps"] < s["drafts"]  # some steps found no match and drafted nothing
@@ -79,15 +82,16 @@ def test_greedy_ngram_decoding_is_the_verifiers_own_output_and_counts_only_draft
 
 def test_ngram_drafts_are_verified_as_one_hot_distributions_at_temperature(decoder_verifier, prompts):
     v = decoder_verifier
-    drafter = NgramDrafter(v.model.config.vocab_size, num_speculative_tokens=3, prompt_lookup_min=1)
+    drafter = NgramDrafter(v.model.config.vocab_size, num_speculative_tokens=3,
+                           lookup=PromptLookupConfig(prompt_lookup_min=1))
     ctx = drafter.context([5, 6, 7, 5, 6])
-    prop = drafter.propose(ctx, 7, temperature=1.0)
+    prop = drafter.propose(ctx, 7, SamplingConfig(temperature=1.0))
     assert prop.tokens.tolist() == [5, 6, 7]
     assert prop.probs.shape == (3, v.model.config.vocab_size) and prop.probs.sum().item() == 3
     assert prop.probs[torch.arange(3), prop.tokens].tolist() == [1.0, 1.0, 1.0]
     ctx.rewind(2)
     drafter.extend(ctx, [9, 5])
-    assert ctx.tokens == [5, 6, 9, 5] and drafter.propose(ctx, 6).tokens.tolist() == [9, 5, 6]
+    assert ctx.tokens == [5, 6, 9, 5] and drafter.propose(ctx, 6, GREEDY).tokens.tolist() == [9, 5, 6]
     gen = torch.Generator().manual_seed(0)
-    trace = speculative(v, drafter, prompts[0], 24, temperature=1.0, gen=gen)
+    trace = speculative(v, drafter, prompts[0], 24, sampling=SamplingConfig(temperature=1.0), gen=gen)
     assert len(trace.tokens) == 24 and sum(trace.verified) > 0

@@ -204,7 +204,7 @@ def test_exclude_of_8k_prompts_against_8k_conversations_takes_seconds(tmp_path):
     lines[123] = json.dumps(_chat(f"please answer: {planted} thanks"))
     data.write_text("\n".join(lines) + "\n")
     start = time.monotonic()
-    summary = split(data, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=0, exclude=[exclude])
+    summary = split(data, tmp_path / "t.jsonl", tmp_path / "h.jsonl", heldout=0, seed=0, exclude=[exclude])
     assert time.monotonic() - start < 30  # N x M took 210 s
     assert summary["dropped_by_reason"] == {"overlaps_eval_set": 1} and summary["train"] == 7999
 

@@ -497,7 +497,7 @@ def test_an_error_in_the_step_while_the_loaders_queue_is_full_ends_the_loop_at_o
     from dspark.data.prepare import PreparedData
     from dspark.train.data import Loader, TrainData
 
-    data = TrainData(ZarrStore(store), PreparedData(prepared), 512, 0.9, 0)  # nothing kept: read on a thread
+    data = TrainData(ZarrStore(store), PreparedData(prepared), 512, 0.9, 0, "skip")  # nothing kept: read on a thread
     loader = Loader(data, data.epoch_batches(0)[:2], num_workers=1, prefetch=1)
     raised = []
 

