@@ -18,7 +18,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from dspark.errors import InputError, StoreMismatch
+from dspark.core.errors import InputError, StoreMismatch
 from dspark.train.checkpoint import RunDir
 from dspark.train.config import ReplayConfig, TrainConfig
 from dspark.train.metrics import MetricLog

@@ -15,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from dspark.errors import DsparkError, InputError
+from dspark.core.errors import DsparkError, InputError
 from dspark.verifier.hub import local_model
 
 

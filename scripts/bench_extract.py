@@ -35,8 +35,8 @@ import torch
 from dspark.connector.manifest import manifest_for_model
 from dspark.connector.zarr.writer import ZarrSink
 from dspark.extract.runner import plan_batches
-from dspark.fsio import write_atomic
-from dspark.jsonio import dump_json
+from dspark.core.fsio import write_atomic
+from dspark.core.jsonio import dump_json
 from dspark.data.prepare import PreparedData
 
 WARMUP_SAMPLES = 4

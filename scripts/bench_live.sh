@@ -10,10 +10,10 @@ D=${DSPARK_DEMO:-cache}
 W=$(mktemp -d)
 trap 'kill $(jobs -p) 2>/dev/null || true; rm -rf "$W"' EXIT
 .venv/bin/dspark mooncake-master --port 50061 --metrics-port 9063 >"$W/master.log" 2>&1 &
-.venv/bin/python -m dspark.net wait tcp://127.0.0.1:50061 --timeout 30
+.venv/bin/python -m dspark.core.net wait tcp://127.0.0.1:50061 --timeout 30
 .venv/bin/dspark serve --model "$D/models/tiny" --port 8061 --hidden-states-backend mooncake \
     --mooncake-master 127.0.0.1:50061 --target-layer-ids 1 3 5 --data "$D/prepared/demo" >"$W/serve.log" 2>&1 &
-.venv/bin/python -m dspark.net wait http://127.0.0.1:8061/health --timeout 300
+.venv/bin/python -m dspark.core.net wait http://127.0.0.1:8061/health --timeout 300
 for run in cold warm; do
   .venv/bin/dspark train --from mooncake --vllm-endpoint http://127.0.0.1:8061/v1 --on-generate delete \
       --cache "$W/cache" --data-path "$D/prepared/demo" --verifier-name-or-path "$D/models/tiny" \

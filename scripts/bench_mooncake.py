@@ -33,7 +33,7 @@ from dspark.connector.config import MooncakeConfig
 from dspark.connector.mooncake.client import connect, master_binary
 from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.mooncake.sink import MooncakeSink
-from dspark.net import free_port, wait
+from dspark.core.net import free_port, wait
 
 
 class Dspark:

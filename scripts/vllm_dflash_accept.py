@@ -47,8 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dspark.fsio import write_atomic
-from dspark.jsonio import dump_json
+from dspark.core.fsio import write_atomic
+from dspark.core.jsonio import dump_json
 from dspark.serving.serve_draft import local_drafter
 
 

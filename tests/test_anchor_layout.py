@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fit, run_cli, train_cfg as cfg
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.train.config import RESULT_NEUTRAL, TrainConfig
 from dspark.train.loop import Trainer
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.base import engine_class
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,7 @@ from dspark.serving.bench import client
 from dspark.serving.bench.client import BenchError
 from dspark.serving.bench.metrics import Reading, SpecCounters, read
 from dspark.serving.bench.run import WARMUP_TOKENS, BenchConfig, run_bench
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 
 MODEL = "toy"
 MAX_MODEL_LEN = 512

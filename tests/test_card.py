@@ -21,7 +21,7 @@ import pytest
 from conftest import hf_cache_model, wait_for
 from dspark.connector.mooncake.client import master_binary
 from dspark.export.serving import docker_command
-from dspark.net import free_port
+from dspark.core.net import free_port
 from dspark.verifier.toy import ToySpec, build_toy_verifier, demo_chat_path
 from dspark.train.config import TrainConfig
 from test_live import VLLM_PY, _port_open, stop

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from dspark.net import free_port
+from dspark.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = ROOT / "docker" / "bin" / "dspark-compose"

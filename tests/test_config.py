@@ -16,10 +16,10 @@ from dspark.cli import main
 from dspark.connector.config import MooncakeConfig
 from dspark.extract.config import ServeLimits
 from dspark.data.prepare import PreparedData
-from dspark.settings import check_settings, checked, leaves, load_config_file, nest
+from dspark.core.settings import check_settings, checked, leaves, load_config_file, nest
 from dspark.connector.manifest import default_store
 from dspark.deployment import SECTIONS
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from dspark.connector.mooncake.errors import ProducerFailed
 from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.mooncake.wire import sample_key
 from dspark.connector.zarr.reader import ZarrStore
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 
 SINK_SPECS = [*sorted(SINKS), "zarr,mooncake"]
 IDS = [0, 1, 2, 3]

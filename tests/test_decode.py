@@ -15,8 +15,8 @@ from dspark.decode.proposal import Proposal
 from dspark.decode.report import difference, summarize
 from dspark.decode.config import DecodeConfig, SamplingConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
-from dspark.errors import InputError
-from dspark.eval.teacher_forced import load_checkpoint
+from dspark.core.errors import InputError
+from dspark.train.model import load_checkpoint
 from dspark.data.prepare import PreparedData
 
 

@@ -11,7 +11,7 @@ from dspark.data.prompts import Prompt, PromptSet
 from dspark.decode.report import markdown
 from dspark.decode.config import DecodeConfig
 from dspark.decode.run import decode_set
-from dspark.eval.report import write_report
+from dspark.core.report import write_report
 from dspark.train.checkpoint import RunDir
 from dspark.train.metrics import MetricLog
 

@@ -9,10 +9,10 @@ import pytest
 
 from conftest import run_cli
 from dspark.deployment import SECTIONS
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract import launch
 from dspark.extract.config import ExtractConfig, LaunchConfig, ServeConfig
-from dspark.settings import base_type, checked, leaves, load_config_file, nest
+from dspark.core.settings import base_type, checked, leaves, load_config_file, nest
 from dspark.train.config import MAX_EPOCHS, TrainConfig
 
 TRAIN = ["--data-path", "p", "--verifier-name-or-path", "v", "--save-path", "s"]

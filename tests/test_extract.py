@@ -16,7 +16,7 @@ from conftest import LAYERS, run_cli
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.decode.verifier import Verifier
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.transformers_engine import TransformersEngine
 from dspark.data.prepare import PreparedData
 from dspark.verifier.check import check_verifier_config

@@ -1,12 +1,12 @@
-"""dspark.fsio: a reader sees the old file (folder, link) or the new one, never half; and the data is fsynced first."""
+"""dspark.core.fsio: a reader sees the old file (folder, link) or the new one, never half; and the data is fsynced first."""
 
 import os
 from pathlib import Path
 
 import pytest
 
-from dspark import fsio
-from dspark.fsio import (copy_atomic, is_temp, publishing, remove_leftovers, replace_symlink, replacing, temp_path,
+from dspark.core import fsio
+from dspark.core.fsio import (copy_atomic, is_temp, publishing, remove_leftovers, replace_symlink, replacing, temp_path,
                          write_atomic, write_new)
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.data.holdout import prompt_key, split
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import LAYERS, hf_cache_model, run_cli
 from dspark.connector.manifest import default_store, manifest_for_model
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.hub import local_model, model_name
 from dspark.data.prepare import PreparedData
 

@@ -16,7 +16,7 @@ from conftest import LAYERS, run_cli, train_cfg
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
-from dspark.errors import DamagedSample, StoreMismatch
+from dspark.core.errors import DamagedSample, StoreMismatch
 from dspark.data.prepare import PreparedData
 from test_store import make_sample, manifest, write
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.kinds import DEFAULT_KIND, KINDS, Kind, kind_of, serving_kind, vllm_methods
 
 ROOT = Path(__file__).resolve().parents[1]

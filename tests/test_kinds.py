@@ -12,8 +12,8 @@ from dspark.decode.config import SamplingConfig
 from dspark.decode.drafter import Drafter, drafter_for
 from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.verifier import Verifier
-from dspark.errors import InputError
-from dspark.eval.teacher_forced import load_checkpoint
+from dspark.core.errors import InputError
+from dspark.train.model import load_checkpoint
 from dspark.kinds import DSPARK_LAYOUT
 
 GREEDY = SamplingConfig(temperature=0.0)

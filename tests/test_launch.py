@@ -17,9 +17,9 @@ from conftest import hf_cache_model, wait_for
 from dspark import vllm_server
 from dspark.connector.config import SinkConfig
 from dspark.deployment import SECTIONS
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract import launch
-from dspark.net import free_port
+from dspark.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ["24", "48", "72", "88", "92"]

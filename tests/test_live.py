@@ -28,7 +28,7 @@ from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.mooncake.sink import MooncakeSink
 from dspark.connector.mooncake.wire import object_key, pack, sample_key
 from dspark.connector.zarr.reader import ZarrStore
-from dspark.net import free_port
+from dspark.core.net import free_port
 from dspark.data.prepare import PreparedData
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")

@@ -1,4 +1,4 @@
-"""`python -m dspark.net wait`: the one readiness check of compose, Slurm and the tests' servers."""
+"""`python -m dspark.core.net wait`: the one readiness check of compose, Slurm and the tests' servers."""
 
 import socket
 import subprocess
@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dspark.net import free_port, wait
+from dspark.core.net import free_port, wait
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def http_server():
 
 
 def net(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dspark.net", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "dspark.core.net", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_ready_servers_pass_and_others_fail_with_one_line(http_server):

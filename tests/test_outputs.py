@@ -1,4 +1,4 @@
-"""The output rule (dspark.outputs): no command replaces what it was not given; creators of one output take turns."""
+"""The output rule (dspark.core.outputs): no command replaces what it was not given; creators of one output take turns."""
 
 import errno
 import json
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import LAYERS, run_cli, write_jsonl
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.data.holdout import split
-from dspark.outputs import output_lock
+from dspark.core.outputs import output_lock
 from dspark.data.prepare import PrepareConfig, prepare
 from dspark.data.regenerate import RegenerateConfig, regenerate
 

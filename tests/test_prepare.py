@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from conftest import run_cli, write_jsonl
 from dspark.cli import main
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.data.prepare import (PrepareConfig, PreparedData, load_tokenizer, parse_role_map, prepare, read_conversations,
                              tokenize_conversation)
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import run_cli, write_jsonl
 from dspark.data import longbench
 from dspark.data.prompts import LONG_BUCKETS, context_bucket, later_turns, load_prompt_set, parse_spec
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.data.prepare import PrepareConfig, load_tokenizer, prepare
 from dspark.verifier.toy import build_tokenizer, demo_chat_path
 

@@ -16,8 +16,8 @@ import tracemalloc
 import pytest
 
 from conftest import run_cli
-from dspark import files
-from dspark.errors import InputError
+from dspark.core import files
+from dspark.core.errors import InputError
 from dspark.data.prepare import MAX_CONVERSATION_CHARS, read_conversations
 
 AS_LIMIT = 1 << 30  # a CLI run reading a bomb gets 1 GiB of address space: the old readers died in MemoryError
@@ -88,7 +88,7 @@ def test_a_long_line_or_array_record_of_a_plain_file_is_refused_naming_its_line(
     monkeypatch.setattr(prepare, "_ARRAY_CHUNK", 256)  # a record spanning chunks: held until it ends
     jsonl = tmp_path / "chat.jsonl"
     jsonl.write_text(json.dumps(_chat("short")) + "\n" + json.dumps(_chat("x" * 2000)) + "\n")
-    with pytest.raises(InputError, match=r"chat\.jsonl line 2 is over 1000 bytes \(dspark.files.MAX_LINE_BYTES\)"):
+    with pytest.raises(InputError, match=r"chat\.jsonl line 2 is over 1000 bytes \(dspark.core.files.MAX_LINE_BYTES\)"):
         read_conversations(jsonl)
     array = tmp_path / "chat.json"
     array.write_text(json.dumps([_chat("short"), _chat("x" * 2000)], indent=1))

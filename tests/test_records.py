@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fit, run_cli, train_cfg
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.data.regenerate import RegenerateConfig, regenerate

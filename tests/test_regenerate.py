@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli, wait_for, write_jsonl
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.data.regenerate import RegenerateConfig, regenerate
 
 ROOT = Path(__file__).resolve().parents[1]

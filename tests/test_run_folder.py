@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import fit, run_cli, wait_for
-from dspark.errors import CheckpointError, InputError, TrainingDiverged
+from dspark.core.errors import CheckpointError, InputError, TrainingDiverged
 from dspark.eval.config import TeacherForcedConfig
 from dspark.eval.teacher_forced import run_eval
 from dspark.export.folder import export
-from dspark.fsio import temp_path
+from dspark.core.fsio import temp_path
 from dspark.train.checkpoint import RunDir
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog

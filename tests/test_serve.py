@@ -16,7 +16,7 @@ import pytest
 
 from dspark.connector.config import SinkConfig, ZarrConfig
 from dspark.connector.producer import MAX_DATA_SETS, Producer
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.serve import ExtractionService, ServeLimits, make_server
 from dspark.extract.transformers_engine import TransformersEngine
 

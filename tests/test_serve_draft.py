@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import run_cli
-from dspark.settings import build
+from dspark.core.settings import build
 from dspark.decode.config import PromptLookupConfig
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.export.folder import export
 from dspark.serving.serve_draft import ServeDraftConfig, choose, plan
 from dspark.vllm_server import RUNNER_ENV, server_info

@@ -68,7 +68,7 @@ BLOCK_CLICK = "import sys; sys.modules['click'] = None\n"
 
 def test_the_connector_and_settings_import_without_click_or_the_cli():
     code = BLOCK_CLICK + (
-        "import dspark.settings, dspark.connector.config, dspark.connector.base, dspark.connector.zarr.writer\n"
+        "import dspark.core.settings, dspark.connector.config, dspark.connector.base, dspark.connector.zarr.writer\n"
         "import dspark.connector.mooncake.sink, dspark.connector.live, dspark.connector.producer\n"
         "from dspark.connector.registry import SINKS, SOURCES\n"
         "assert sorted(SINKS) == ['mooncake', 'zarr'] and sorted(SOURCES) == ['mooncake', 'zarr']\n"
@@ -97,7 +97,7 @@ def test_the_vllm_launchers_flags_are_launchconfigs_settings(tmp_path):
 
     from dspark.extract.config import LaunchConfig
     from dspark.extract.launch import parse_args
-    from dspark.settings import add_arguments, cli_leaves
+    from dspark.core.settings import add_arguments, cli_leaves
 
     parser = argparse.ArgumentParser()
     add_arguments(parser, LaunchConfig)

@@ -11,7 +11,7 @@ from dspark.connector.base import Sample
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
-from dspark.errors import StoreError, StoreMismatch
+from dspark.core.errors import StoreError, StoreMismatch
 
 L, H = 4, 32
 
@@ -185,7 +185,7 @@ def test_extract_codec_is_recorded_and_read_by_stock_zarr_and_a_store_keeps_its_
     import zarr
 
     from dspark.connector.manifest import codec_named
-    from dspark.errors import InputError
+    from dspark.core.errors import InputError
 
     sink = ZarrSink(tmp_path, manifest(codec=codec_named("lz4")))
     for i in range(5):
@@ -398,7 +398,7 @@ def test_a_writer_with_other_verifier_weights_is_refused_unless_accepted_and_the
 
 
 def test_the_weights_hash_sees_every_byte_and_refuses_a_weight_file_that_is_not_regular(tmp_path):
-    from dspark.errors import InputError
+    from dspark.core.errors import InputError
     from dspark.verifier.fingerprint import weights_hash
 
     weights = tmp_path / "model.safetensors"

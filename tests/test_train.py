@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import LAYERS, fit, run_cli, train_cfg as cfg, wait_for
-from dspark.errors import CheckpointError, InputError, StoreError, StoreMismatch
+from dspark.core.errors import CheckpointError, InputError, StoreError, StoreMismatch
 from dspark.train.checkpoint import RunDir, load_trainer_state, rng_state, set_rng_state
 from dspark.train.loop import Trainer
 from dspark.train.metrics import MetricLog
@@ -140,7 +140,7 @@ def test_export_reloads_identically_without_local_paths(reference_run, tmp_path)
     text = (out / "config.json").read_text()
     assert str(c.verifier_name_or_path) not in text and "/tmp" not in text
     assert json.loads(text)["speculators_config"]["verifier"]["name_or_path"] == "Org/Tiny"
-    from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.train.model import load_checkpoint
 
     model = load_checkpoint(out, c.verifier_name_or_path, torch.device("cpu"))
     assert isinstance(model, DSparkDraftModel)

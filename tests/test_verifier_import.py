@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.toy import CHAT_TEMPLATE
 from dspark.verifier.importer import IMPORT_RECORD, import_gguf
 

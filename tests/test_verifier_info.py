@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.info import JSON_LIMIT, VerifierInfo
 
 LM = {"model_type": "llama", "num_hidden_layers": 6, "hidden_size": 128, "vocab_size": 512,

@@ -171,7 +171,7 @@ def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_
 REFUSE_PIPELINE = r"""
 import os, sys
 from dspark.connector.config import SinkConfig, ZarrConfig
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, num_hidden_layers, speculative_config
 from dspark.vllm_server import cpu_env
 

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import fit, run_cli, train_cfg, wait_for, write_jsonl
 from dspark.export.folder import export
-from dspark.net import free_port
+from dspark.core.net import free_port
 from test_live import VLLM_PY
 
 pytestmark = [pytest.mark.slow,
@@ -75,7 +75,7 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     from dspark.decode.loop import speculative
     from dspark.decode.report import summarize
     from dspark.decode.verifier import Verifier
-    from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.train.model import load_checkpoint
     from dspark.data.prepare import load_tokenizer
 
     if trained == "sample_from_anchor":
@@ -113,7 +113,7 @@ def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, stor
     from dspark.decode.loop import speculative
     from dspark.decode.report import summarize
     from dspark.decode.verifier import Verifier
-    from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.train.model import load_checkpoint
     from dspark.data.prepare import load_tokenizer
     from dspark.kinds import DSPARK_LAYOUT
 

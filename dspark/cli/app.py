@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import click
 
-from dspark.errors import DsparkError
-from dspark.jsonio import dump_json
-from dspark.settings import setting
+from dspark.core.errors import DsparkError
+from dspark.core.jsonio import dump_json
+from dspark.core.settings import setting
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 

@@ -2,13 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, dataclass, replace
 
 import click
 
 from dspark.cli.app import Progress, command, local, main
-from dspark.decode.config import CompareConfig, EvalConfig
+from dspark.core.settings import setting
+from dspark.decode.config import CompareConfig, DecodeConfig, DecodeOptions
+from dspark.eval.config import TeacherForcedConfig
 from dspark.export.folder import ExportConfig
+
+
+@dataclass
+class EvalConfig(TeacherForcedConfig):
+    """`dspark eval`: per-position acceptance and tau of a checkpoint; `decode` adds real decoding."""
+
+    decode: bool = setting(False, "Also decode for real: the drafter proposes, the verifier checks, on --prompts; "
+                                  "per-position acceptance per set, long-context buckets, speedup "
+                                  "(decode.json/.md/.png).", negatable=False)
+    decoding: DecodeOptions = setting(factory=DecodeOptions, prefixed=False)
+    no_confidence: bool = setting(False, "Skip the confidence-cut decode.", negatable=False)
+
+    def decode_config(self) -> DecodeConfig:
+        """The `--decode` settings, checked (before the teacher-forced pass, not after it)."""
+        threshold = None if self.no_confidence else self.decoding.confidence_threshold
+        return DecodeConfig(checkpoint=self.checkpoint, verifier=self.verifier_name_or_path,
+                            **{**asdict(self.decoding), "confidence_threshold": threshold}).validate()
 
 
 @command(main, "eval", EvalConfig, Progress)

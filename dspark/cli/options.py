@@ -1,4 +1,4 @@
-"""Click options made from typed settings: each option is one leaf of a config (`dspark.settings`).
+"""Click options made from typed settings: each option is one leaf of a config (`dspark.core.settings`).
 
 `options(cls)` adds one option per leaf setting, its default, type, choices and bounds taken from the
 field; `config_file_option(cls)` reads `--config FILE` into the same options' defaults. Every generated
@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 import click
 
-from dspark.errors import InputError
-from dspark.settings import Leaf, base_type, check_finite, checked, cli_leaves, load_config_file
+from dspark.core.errors import InputError
+from dspark.core.settings import Leaf, base_type, check_finite, checked, cli_leaves, load_config_file
 
 
 class IntList(click.Option):

@@ -11,7 +11,7 @@ from dspark.serving.bench.run import BenchConfig
 from dspark.cli.app import Progress, command, main, warn
 from dspark.cli.options import config_file_option, configs, options
 from dspark.serving.serve_draft import ServeDraftConfig
-from dspark.settings import setting
+from dspark.core.settings import setting
 
 
 @command(main, "bench", BenchConfig, Progress, config_file=BenchConfig)

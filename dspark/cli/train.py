@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import click
 
 from dspark.cli.app import Progress, command, echo_json, local, main
-from dspark.settings import setting
+from dspark.core.settings import setting
 from dspark.train.config import ReplayConfig, TrainConfig
 
 

@@ -60,7 +60,7 @@ import torch
 
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.registry import SINKS, SOURCES, store_backend
-from dspark.errors import StoreError, repair_command
+from dspark.core.errors import StoreError, repair_command
 
 
 @dataclass

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Literal
 
-from dspark.codec import CODECS, DEFAULT_CODEC
-from dspark.errors import InputError
+from dspark.core.codec import CODECS, DEFAULT_CODEC
+from dspark.core.errors import InputError
 from dspark.connector.registry import BACKENDS, SINKS
-from dspark.settings import build, setting
+from dspark.core.settings import build, setting
 
 
 MASTER_PORT = 50051  # Mooncake's own default

@@ -47,7 +47,7 @@ from dspark.connector.mooncake.errors import CorruptObject, MooncakeError, Produ
 from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
-from dspark.errors import DamagedSample, DsparkError, StoreError
+from dspark.core.errors import DamagedSample, DsparkError, StoreError
 
 log = logging.getLogger("dspark.live")
 

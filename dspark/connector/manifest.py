@@ -10,12 +10,12 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dspark import __version__
-from dspark.codec import CODECS, DEFAULT_CODEC
+from dspark.core.codec import CODECS, DEFAULT_CODEC
 from dspark.connector.checksum import Kind as ChecksumKind
 from dspark.connector.encoding import bytes_per_token
-from dspark.errors import InputError, StoreError, StoreMismatch
-from dspark.files import FileRefused, read_bounded
-from dspark.fsio import write_new
+from dspark.core.errors import InputError, StoreError, StoreMismatch
+from dspark.core.files import FileRefused, read_bounded
+from dspark.core.fsio import write_new
 from dspark.verifier.hub import model_name
 from dspark.verifier.resolved import Verifier
 

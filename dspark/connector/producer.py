@@ -20,7 +20,7 @@ from dspark.connector.base import Sink, close_all
 from dspark.connector.config import SinkConfig
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.mooncake.wire import sample_key, transfer_params
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.resolved import Verifier
 
 # Each data set gets its own manifest and sinks (a Mooncake sink is a client that mounts

@@ -1,4 +1,4 @@
-"""The backends by name (BACKENDS), and the sink and source registries made from them (dspark.registry's one class).
+"""The backends by name (BACKENDS), and the sink and source registries made from them (dspark.core.registry's one class).
 
 A backend is one descriptor here: its name, its settings class (SinkConfig holds one under the backend's
 name), the factories opening its sink and its source, and whether it keeps samples at rest. Every path
@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from dspark.registry import Registry
+from dspark.core.registry import Registry
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from dspark.connector.base import Sample, Sink
 from dspark.connector.config import SinkConfig
 from dspark.connector.producer import Producer
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.hub import local_model
 
 log = logging.getLogger("dspark.vllm")

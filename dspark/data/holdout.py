@@ -27,14 +27,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.fingerprint import sha256_json
-from dspark.files import file_xxh3
-from dspark.fsio import replacing, write_atomic
-from dspark.jsonio import dump_json
-from dspark.outputs import check_output, distinct, output_lock, writing
-from dspark.records import object_or_none
-from dspark.settings import setting
+from dspark.core.files import file_xxh3
+from dspark.core.fsio import replacing, write_atomic
+from dspark.core.jsonio import dump_json
+from dspark.core.outputs import check_output, distinct, output_lock, writing
+from dspark.core.records import object_or_none
+from dspark.core.settings import setting
 
 
 @dataclass
@@ -194,7 +194,7 @@ def _record(summary: Path) -> dict | None:
 
 
 def _check_paths(data: Path, train_out: Path, heldout_out: Path, exclude: list[Path], force: bool) -> None:
-    """The output rule (dspark.outputs), before any reading: no output is an input or another output, and an
+    """The output rule (dspark.core.outputs), before any reading: no output is an input or another output, and an
     existing output is one this command wrote (its hash in the summary's record) unless --force."""
     for path in exclude:  # an input in two roles: every conversation would overlap itself
         distinct("--exclude", path, [("--data", data)], fix="pass the prompt files you report on, not --data")

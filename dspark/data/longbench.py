@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from dspark.data.prompts import longbench_prompt, render_prompt
-from dspark.errors import InputError
-from dspark.fsio import write_atomic
-from dspark.settings import setting
+from dspark.core.errors import InputError
+from dspark.core.fsio import write_atomic
+from dspark.core.settings import setting
 
 # The longest context windows served today; a target past it would take minutes to build, and
 # no verifier could read the prompt.

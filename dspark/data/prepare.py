@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark import files as bounds, jsonio
-from dspark.errors import InputError
-from dspark.files import DataReader, FileRefused, file_xxh3
+from dspark.core import files as bounds, jsonio
+from dspark.core.errors import InputError
+from dspark.core.files import DataReader, FileRefused, file_xxh3
 from dspark.verifier.fingerprint import sha256_files, sha256_json, tokenizer_hash
-from dspark.outputs import check_output, output_lock, written_files
-from dspark.settings import setting
+from dspark.core.outputs import check_output, output_lock, written_files
+from dspark.core.settings import setting
 
 # Role names public dumps use -> the chat template's roles. Matched case-insensitively;
 # `--role-map` adds to or overrides this table. A conversation with a role found in
@@ -169,7 +169,7 @@ _SURROGATES = re.compile("[\ud800-\udfff]")
 
 @contextmanager
 def open_data(path: Path):
-    """`path` as a `dspark.files.DataReader`: gzip (found by its magic bytes, not its name) is decompressed,
+    """`path` as a `dspark.core.files.DataReader`: gzip (found by its magic bytes, not its name) is decompressed,
     a line is at most `MAX_LINE_BYTES` and a gzip stream inflates at most `GZIP_MAX_RATIO` times.
 
     A gzip stream that is damaged or cut off, or a read past a bound, is an `InputError` wherever the reading stops.
@@ -366,7 +366,7 @@ def _json_array(path: Path, f, data: ChatData):
         if stop is None or stop == len(buf):  # cut short, or a bare number that may go on: read more, decode again
             if len(buf) - pos > bounds.MAX_LINE_BYTES:
                 raise InputError(f"{path}:{line_at(pos)}: record {n + 1} is over {bounds.MAX_LINE_BYTES} bytes "
-                                 "(dspark.files.MAX_LINE_BYTES)", "split or delete that record")
+                                 "(dspark.core.files.MAX_LINE_BYTES)", "split or delete that record")
             if more():
                 continue
             if stop is None:
@@ -664,7 +664,7 @@ def data_fingerprint(input_ids: np.ndarray, loss_mask: np.ndarray, offsets: np.n
 def _write_atomically(out: Path, arrays: dict, freq: dict, meta: dict) -> None:
     import torch
 
-    from dspark.fsio import publishing, remove_leftovers
+    from dspark.core.fsio import publishing, remove_leftovers
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(out)  # of a prepare killed mid-way (its process is gone)

@@ -52,8 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
-from dspark import jsonio
-from dspark.errors import InputError
+from dspark.core import jsonio
+from dspark.core.errors import InputError
 from dspark.data.prepare import OVER_MAX_CHARS, open_data, too_many_chars
 
 # Context buckets count tokens of the rendered prompt, K = 1024 (LongBench's own `length`

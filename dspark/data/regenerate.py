@@ -62,14 +62,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from dspark.settings import check_settings, setting
-from dspark.errors import InputError
-from dspark.files import open_regular
-from dspark.fsio import write_atomic
-from dspark.jsonio import dump_json
-from dspark.outputs import check_output, writing
-from dspark.registry import Registry
-from dspark.records import integer, mapping, optional, read_record
+from dspark.core.settings import check_settings, setting
+from dspark.core.errors import InputError
+from dspark.core.files import open_regular
+from dspark.core.fsio import write_atomic
+from dspark.core.jsonio import dump_json
+from dspark.core.outputs import check_output, writing
+from dspark.core.registry import Registry
+from dspark.core.records import integer, mapping, optional, read_record
 from dspark.verifier.info import VerifierInfo
 from dspark.verifier.check import check_verifier_config
 
@@ -355,7 +355,7 @@ class Record:
         write_atomic(path, json.dumps(asdict(self), indent=1))
 
 
-# What a rerun reads back of the record (dspark.records): each count a non-negative integer.
+# What a rerun reads back of the record (dspark.core.records): each count a non-negative integer.
 RECORD_SCHEMA = {"settings": mapping(), "done": integer(0), "bytes": integer(0),
                  **{k: optional(integer(0)) for k in ("written", "truncated", "replies", "generated_tokens")},
                  **{k: optional(mapping(values=integer(0))) for k in ("turns_ended", "dropped")}}

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from dspark.decode.config import CompareConfig
-from dspark.errors import InputError
-from dspark.eval.report import EVAL_DIR
+from dspark.core.errors import InputError
+from dspark.core.report import EVAL_DIR
 
 
 @dataclass
@@ -72,7 +72,7 @@ def training_record(ckpt: Path) -> tuple[int | None, float | None]:
 def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
     """The drafters (loaded) and the verifier folder they share."""
     from dspark.decode.drafter import drafter_for
-    from dspark.eval.teacher_forced import load_checkpoint
+    from dspark.train.model import load_checkpoint
     from dspark.kinds import DSPARK_LAYOUT
     from dspark.train.checkpoint import weight_count
     from dspark.train.checkpoint import read_config, require_checkpoint
@@ -102,7 +102,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from dspark.data.prompts import context_bucket, load_prompt_set
     from dspark.decode.report import by_subdomain, summarize
     from dspark.decode.verifier import Verifier
-    from dspark.eval.report import write_report
+    from dspark.core.report import write_report
     from dspark.data.prepare import load_tokenizer
 
     cfg.validate()
@@ -239,6 +239,6 @@ def plot(result: dict, path: Path, title: str) -> None:
     ax.set(ylabel="mean acceptance length (tokens per verifier step)\nerror bars: ± one standard error over prompts")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    from dspark.eval.report import save_figure
+    from dspark.core.report import save_figure
 
     save_figure(fig, path, title)

@@ -1,19 +1,18 @@
-"""Settings of evaluation (torch-free: the CLI builds its options from them).
+"""Settings of decoding (torch-free: the CLI builds its options from them).
 
-`EvalConfig` is `dspark eval`: teacher-forced acceptance on a store, and with `--decode` real
-decoding. `SamplingConfig` is how prompts are decoded and measured, shared by `eval --decode`
-(one checkpoint, `DecodeConfig`) and `compare` (several drafters side by side, `CompareConfig`).
+`SamplingConfig` is how prompts are decoded and measured, shared by `eval --decode` (one checkpoint,
+`DecodeOptions`/`DecodeConfig`; the command's EvalConfig in cli/evaluate.py adds them to eval's teacher-forced
+settings) and `compare` (several drafters side by side, `CompareConfig`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Literal
 
-from dspark.settings import check_settings, setting
+from dspark.core.settings import check_settings, setting
 from dspark.data.prompts import parse_spec
-from dspark.errors import InputError
-from dspark.eval.config import TeacherForcedConfig
+from dspark.core.errors import InputError
 from dspark.kinds import DSPARK_LAYOUT, LAYOUTS
 
 Layout = Literal[LAYOUTS]  # the DFlash family's decode layouts (dspark.kinds.dflash)
@@ -84,23 +83,6 @@ class DecodeConfig(DecodeOptions):
             raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
                              "drop it: the dspark layout drafts what the checkpoint was trained to draft")
         return self
-
-
-@dataclass
-class EvalConfig(TeacherForcedConfig):
-    """`dspark eval`: per-position acceptance and tau of a checkpoint; `decode` adds real decoding."""
-
-    decode: bool = setting(False, "Also decode for real: the drafter proposes, the verifier checks, on --prompts; "
-                                  "per-position acceptance per set, long-context buckets, speedup "
-                                  "(decode.json/.md/.png).", negatable=False)
-    decoding: DecodeOptions = setting(factory=DecodeOptions, prefixed=False)
-    no_confidence: bool = setting(False, "Skip the confidence-cut decode.", negatable=False)
-
-    def decode_config(self) -> DecodeConfig:
-        """The `--decode` settings, checked (before the teacher-forced pass, not after it)."""
-        threshold = None if self.no_confidence else self.decoding.confidence_threshold
-        return DecodeConfig(checkpoint=self.checkpoint, verifier=self.verifier_name_or_path,
-                            **{**asdict(self.decoding), "confidence_threshold": threshold}).validate()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Iterable
 import numpy as np
 
 from dspark.decode.loop import Trace
-from dspark.eval.report import save_figure
+from dspark.core.report import save_figure
 
 BEYOND = "beyond the verifier's maximum length"
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from dspark.decode.config import DecodeConfig
-from dspark.errors import InputError
-from dspark.eval.report import EVAL_DIR
+from dspark.core.errors import InputError
+from dspark.core.report import EVAL_DIR
 
 
 def _sampling(cfg: DecodeConfig) -> str:
@@ -73,8 +73,8 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     from dspark.data.prompts import LONG_BUCKETS, load_prompt_set
     from dspark.decode.report import long_context_rows, markdown, plot, tracked
     from dspark.decode.verifier import Verifier
-    from dspark.eval.teacher_forced import load_checkpoint
-    from dspark.eval.report import write_report
+    from dspark.train.model import load_checkpoint
+    from dspark.core.report import write_report
     from dspark.data.prepare import load_tokenizer
     from dspark.tracking.run import log_results, results_trackers
     from dspark.train.checkpoint import require_checkpoint

@@ -1,5 +1,5 @@
 """`dspark eval`'s teacher-forced settings (torch-free: the CLI builds its options from them): which checkpoint is
-scored on which store and split, where, and on how many blocks. decode/config.py's EvalConfig adds `--decode`.
+scored on which store and split, where, and on how many blocks. cli/evaluate.py's EvalConfig adds `--decode`.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from dspark.settings import setting
+from dspark.core.settings import setting
 
 # Blocks scored per eval, over all batches: a rate's standard error is at most 0.5/sqrt(2048) = 0.011,
 # and 2048 blocks take about a minute on 2 CPU cores for a 135M verifier (every anchor of 24

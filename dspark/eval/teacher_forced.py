@@ -25,45 +25,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.eval.config import TeacherForcedConfig
-from dspark.eval.report import EVAL_DIR, save_figure, write_report
+from dspark.core.report import EVAL_DIR, save_figure, write_report
 from dspark.tracking.run import log_results, results_trackers
+from dspark.train.model import load_checkpoint
 
-if TYPE_CHECKING:  # torch loads inside the functions: `dspark eval`'s settings import this module's constants
+if TYPE_CHECKING:  # for annotations: the functions import torch where they use it
     import torch
 
 BUCKET_EDGES = [0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
-
-
-def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
-    """The drafter in `ckpt` (a folder `require_checkpoint` accepted), with every tensor it saves loaded."""
-    from safetensors import SafetensorError
-
-    from dspark.kinds import kind_of
-    from dspark.train.checkpoint import check_weight_names, damaged, first_line, read_config, weight_names
-    from dspark.train.model import attn_impl
-
-    ckpt = Path(ckpt)
-    kind = kind_of(read_config(ckpt), f"{ckpt}/config.json")
-    try:
-        config = kind.config_class.from_pretrained(ckpt)
-    except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a ValueError
-        raise damaged(ckpt, f"config.json is not a {kind.name} drafter config ({first_line(e)})") from None
-    config.transformer_layer_config._attn_implementation = attn_impl(device)
-    verifier = verifier or config.speculators_config.verifier.name_or_path
-    if not verifier or not Path(verifier).exists():
-        raise InputError(f"the verifier {verifier!r} named by {ckpt} is not a local folder",
-                         "pass --verifier-name-or-path the verifier folder")
-    # The drafter borrows the verifier's embeddings, final norm and lm_head from this path.
-    config.speculators_config.verifier.name_or_path = str(verifier)
-    try:
-        model = kind.model_class.from_pretrained(ckpt, config=config)
-    except (SafetensorError, RuntimeError, ValueError) as e:  # a tensor of another shape, a damaged file
-        raise damaged(ckpt, f"model.safetensors does not load ({first_line(e)})") from None
-    # from_pretrained leaves a tensor the file lacks at its initial value with at most a log line
-    check_weight_names(model, weight_names(ckpt), ckpt)
-    return model.to(device).eval()
 
 
 def _buckets(ctx: np.ndarray) -> list[tuple[int, int]]:

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 from dspark.connector.registry import is_live
-from dspark.eval.report import EVAL_DIR
+from dspark.core.report import EVAL_DIR
 from dspark.export.commands import extract_command, prepare_command, shell_word, train_command, wrap_words
 from dspark.export.provenance import Provenance, provenance, read_json, step_of
 from dspark.export.serving import docker_command, serve_command, serving_notes, speculative_config

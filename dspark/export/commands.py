@@ -9,7 +9,7 @@ import typing
 from dataclasses import MISSING
 from pathlib import Path
 
-from dspark.codec import CODECS, DEFAULT_CODEC
+from dspark.core.codec import CODECS, DEFAULT_CODEC
 from dspark.export.provenance import Provenance
 from dspark.verifier.hub import model_name
 
@@ -117,7 +117,7 @@ def train_command(p: Provenance) -> str:
     """`dspark train` with every recorded setting that shapes the drafter, local places as placeholders."""
     from dspark.kinds import DEFAULT_KIND, KINDS
     from dspark.connector.registry import is_live
-    from dspark.settings import cli_leaves, leaves
+    from dspark.core.settings import cli_leaves, leaves
     from dspark.train.config import TrainConfig
 
     groups = {leaf.path[:i] for leaf in leaves(TrainConfig) for i in range(1, len(leaf.path))}

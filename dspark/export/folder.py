@@ -21,8 +21,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.errors import InputError
-from dspark.settings import setting
+from dspark.core.errors import InputError
+from dspark.core.settings import setting
 from dspark.kinds import kind_of
 from dspark.export.card import FIGURES, render
 from dspark.export.serving import docker_command, serve_command, terminal_note
@@ -68,7 +68,7 @@ def _check_output(out: Path, src: Path, force: bool) -> None:
 
 
 def export(checkpoint: str, output: str, verifier_name: str, force: bool = False) -> dict:
-    from dspark.fsio import copy_atomic, write_atomic
+    from dspark.core.fsio import copy_atomic, write_atomic
     from dspark.train.checkpoint import read_config, require_checkpoint
 
     src = require_checkpoint(checkpoint)

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from dspark.connector.config import ACCEPT_OTHER_WEIGHTS, SinkConfig
-from dspark.registry import Registry
-from dspark.settings import check_settings, setting
+from dspark.core.registry import Registry
+from dspark.core.settings import check_settings, setting
 
 # name -> "module:Class", imported only when chosen: the vLLM engine's module loads for `--engine vllm` alone,
 # and the engines import Engine from base.py without either importing them back (no cycle)

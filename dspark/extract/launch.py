@@ -29,10 +29,10 @@ import json
 import sys
 from pathlib import Path
 
-from dspark.errors import DsparkError, InputError
+from dspark.core.errors import DsparkError, InputError
 from dspark.extract.config import LaunchConfig
 from dspark.verifier.hub import local_model
-from dspark.settings import add_arguments, parsed_config
+from dspark.core.settings import add_arguments, parsed_config
 from dspark.verifier.info import VerifierInfo
 from dspark.vllm_server import cpu_env, flag_name, health_url, offline_env, owned_flags, run_server
 

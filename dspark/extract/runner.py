@@ -17,7 +17,7 @@ import sys
 import time
 
 from dspark.connector.manifest import default_store
-from dspark.errors import InputError, StoreError, StoreMismatch, repair_command
+from dspark.core.errors import InputError, StoreError, StoreMismatch, repair_command
 from dspark.extract.base import open_engine
 from dspark.connector.base import open_store
 from dspark.connector.config import SinkConfig

@@ -39,7 +39,7 @@ import torch
 from dspark.extract.config import ServeLimits
 from dspark.connector.base import Sample
 from dspark.connector.producer import Producer
-from dspark.errors import DsparkError, InputError
+from dspark.core.errors import DsparkError, InputError
 
 
 class ExtractionService:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample, Sink
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.base import Engine
 from dspark.connector.config import SinkConfig
 from dspark.extract.config import ExtractConfig

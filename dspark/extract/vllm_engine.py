@@ -17,7 +17,7 @@ import torch
 
 from dspark.connector.base import Sink
 from dspark.connector.config import SinkConfig
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.extract.base import Engine
 from dspark.extract.config import ExtractConfig
 from dspark.extract.launch import CONNECTOR, aux_layer_ids, speculative_config

@@ -1,6 +1,6 @@
 """Drafter kinds: what each `dspark train --speculator-type` is in training, in our decode loop, in eval and in vLLM.
 
-    base.py    Kind, the seam (its lifecycle per stage in its docstring), KINDS (dspark.registry's Registry),
+    base.py    Kind, the seam (its lifecycle per stage in its docstring), KINDS (dspark.core.registry's Registry),
                kind_of (the kind a checkpoint's config.json names; one line for one dspark does not know)
     dflash.py  DFlash: the block family, its settings and decode layouts
     dspark.py  DSpark: DFlash with the Markov and confidence heads, vLLM's `method: dspark`

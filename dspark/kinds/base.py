@@ -31,8 +31,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from dspark.errors import InputError
-from dspark.registry import Registry
+from dspark.core.errors import InputError
+from dspark.core.registry import Registry
 
 DEFAULT_KIND = "dspark"  # --speculator-type's default, and what a run record naming none trained
 

@@ -7,7 +7,7 @@ drafter is dspark.decode.drafter.Drafter) and what vLLM's `method: dflash` does 
 
 from __future__ import annotations
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.kinds.base import Kind, register
 
 # decode's --layout values for the family: as vLLM's DSpark speculator drafts (Model Runner V2; the checkpoint's

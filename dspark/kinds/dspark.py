@@ -7,7 +7,7 @@ vLLM's `method: dflash` loads it too, right only in DFlash's layout (`--no-sampl
 
 from __future__ import annotations
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.kinds.base import register
 from dspark.kinds.dflash import RETRAIN, DFlash
 from dspark.vllm_server import RUNNER_ENV

@@ -7,7 +7,7 @@ not read. The decode loop's drafter is dspark.decode.eagle3.Eagle3Drafter.
 
 from __future__ import annotations
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.kinds.base import Kind, load, register
 
 

@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
-from dspark.settings import check_settings, setting
+from dspark.core.settings import check_settings, setting
 from dspark.decode.config import NGRAM_TOKENS, PromptLookupConfig
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.export.serving import speculative_config
 from dspark.kinds import DEFAULT_KIND, kind_of, vllm_methods
 from dspark.vllm_server import (RUNNER_ENV, SERVER_INFO_MIDDLEWARE, cpu_env, health_url, offline_env,

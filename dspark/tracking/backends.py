@@ -295,7 +295,7 @@ def _stdout_to_stderr():
 
 
 def _code_block(d: dict) -> str:
-    from dspark.jsonio import dump_json
+    from dspark.core.jsonio import dump_json
 
     return "```\n" + dump_json(d, indent=2, default=str) + "\n```"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dspark.settings import setting
-from dspark.errors import InputError
-from dspark.registry import Registry
+from dspark.core.settings import setting
+from dspark.core.errors import InputError
+from dspark.core.registry import Registry
 
 # each tracker's class, imported at its first lookup
 TRACKERS = Registry("tracker", "--logger", {name: f"dspark.tracking.backends:{cls}" for name, cls in (

@@ -21,10 +21,10 @@ import threading
 import time
 from pathlib import Path
 
-from dspark.errors import InputError
-from dspark.fsio import write_atomic
-from dspark.jsonio import dump_json
-from dspark.records import mapping, optional, read_record, read_run, settings_schema, text
+from dspark.core.errors import InputError
+from dspark.core.fsio import write_atomic
+from dspark.core.jsonio import dump_json
+from dspark.core.records import mapping, optional, read_record, read_run, settings_schema, text
 from dspark.tracking.backends import Backend
 from dspark.tracking.config import TRACKERS, TrackingConfig
 

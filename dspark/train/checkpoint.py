@@ -10,7 +10,7 @@
 One process writes a run folder: `train` holds an OS lock on RUN/.lock from start to end, and a second
 one is refused in one line naming the holder. The kernel drops a lock when its holder exits, kill -9
 included, so a lock is never stale. Readers (`eval`, `export`, `decode`) take no lock and need none: a
-checkpoint is written as .step-N.<pid>-<random>.tmp (dspark.fsio) and renamed into place whole, a run
+checkpoint is written as .step-N.<pid>-<random>.tmp (dspark.core.fsio) and renamed into place whole, a run
 never rewrites one, and a `.tmp` folder is refused. `latest` is where the last save pointed, not the
 truth: a rerun resumes from the newest checkpoint of the run, so a lost or dangling `latest` (or a kill
 between a checkpoint's rename and the move of `latest`) neither restarts the run over its checkpoints
@@ -42,11 +42,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dspark.errors import CheckpointError, InputError
-from dspark.files import FileRefused, file_xxh3, read_bounded
-from dspark.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
-from dspark.jsonio import dump_json
-from dspark.outputs import Lock
+from dspark.core.errors import CheckpointError, InputError
+from dspark.core.files import FileRefused, file_xxh3, read_bounded
+from dspark.core.fsio import publishing, remove_leftovers, replace_symlink, write_atomic
+from dspark.core.jsonio import dump_json
+from dspark.core.outputs import Lock
 from dspark.train.config import read_run_record
 
 

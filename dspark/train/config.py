@@ -8,10 +8,10 @@ from typing import Literal
 
 from dspark.connector.registry import SOURCES
 from dspark.connector.config import LiveConfig
-from dspark.settings import build, check_settings, setting
-from dspark.errors import InputError
+from dspark.core.settings import build, check_settings, setting
+from dspark.core.errors import InputError
 from dspark.kinds import DEFAULT_KIND, KINDS
-from dspark.records import integer, list_of, mapping, optional, read_run, settings_schema, text
+from dspark.core.records import integer, list_of, mapping, optional, read_run, settings_schema, text
 from dspark.tracking.config import TrackingConfig
 
 # The run plans every epoch's batches up front (a list of sample ids each, for the schedule's step count):

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dspark.connector.base import Sample, Source
-from dspark.errors import DamagedSample, InputError, StoreError, StoreMismatch, repair_command
+from dspark.core.errors import DamagedSample, InputError, StoreError, StoreMismatch, repair_command
 from dspark.data.prepare import PreparedData
 from dspark.train.config import TrainConfig
 

@@ -28,7 +28,7 @@ from dspark.connector.base import Source
 from dspark.connector.config import SinkConfig
 from dspark.connector.registry import BACKENDS, SOURCES
 from dspark.connector.manifest import default_store, manifest_for_model
-from dspark.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
+from dspark.core.errors import InputError, StoreError, StoreMismatch, TrainingDiverged
 from dspark.kinds import KINDS
 from dspark.data.prepare import PreparedData
 from dspark.tracking.run import Tracking, flatten, require_installed

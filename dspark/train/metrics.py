@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.errors import CheckpointError, InputError
-from dspark.files import FileRefused, read_bounded
-from dspark.fsio import write_atomic
-from dspark import jsonio
-from dspark.jsonio import dump_json
-from dspark.records import LOG_LIMIT, RUN_FIX, check_metric_record
+from dspark.core.errors import CheckpointError, InputError
+from dspark.core.files import FileRefused, read_bounded
+from dspark.core.fsio import write_atomic
+from dspark.core import jsonio
+from dspark.core.jsonio import dump_json
+from dspark.core.records import LOG_LIMIT, RUN_FIX, check_metric_record
 
 
 def accumulate(acc: dict[str, float], metrics: dict) -> None:

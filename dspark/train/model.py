@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
-from dspark.errors import InputError
-from dspark.kinds import KINDS
+from dspark.core.errors import InputError
+from dspark.kinds import KINDS, kind_of
 from dspark.data.prepare import PreparedData, load_tokenizer
+from dspark.train.checkpoint import check_weight_names, damaged, first_line, read_config, weight_names
 from dspark.train.config import TrainConfig
 from dspark.train.muon import Muon, ns_dtype_for
 from dspark.verifier.resolved import Verifier
@@ -138,3 +140,29 @@ def lr_lambda(kind: str, warmup: int, total: int):
 def build_schedulers(opts, cfg: TrainConfig, total_steps: int):
     warmup = int(cfg.scheduler_warmup_ratio * total_steps)
     return [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda(cfg.scheduler_type, warmup, total_steps)) for o in opts]
+
+
+def load_checkpoint(ckpt: Path, verifier: str | None, device: torch.device):
+    """The drafter in `ckpt` (a folder `require_checkpoint` accepted), with every tensor it saves loaded."""
+    from safetensors import SafetensorError
+
+    ckpt = Path(ckpt)
+    kind = kind_of(read_config(ckpt), f"{ckpt}/config.json")
+    try:
+        config = kind.config_class.from_pretrained(ckpt)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        raise damaged(ckpt, f"config.json is not a {kind.name} drafter config ({first_line(e)})") from None
+    config.transformer_layer_config._attn_implementation = attn_impl(device)
+    verifier = verifier or config.speculators_config.verifier.name_or_path
+    if not verifier or not Path(verifier).exists():
+        raise InputError(f"the verifier {verifier!r} named by {ckpt} is not a local folder",
+                         "pass --verifier-name-or-path the verifier folder")
+    # The drafter borrows the verifier's embeddings, final norm and lm_head from this path.
+    config.speculators_config.verifier.name_or_path = str(verifier)
+    try:
+        model = kind.model_class.from_pretrained(ckpt, config=config)
+    except (SafetensorError, RuntimeError, ValueError) as e:  # a tensor of another shape, a damaged file
+        raise damaged(ckpt, f"model.safetensors does not load ({first_line(e)})") from None
+    # from_pretrained leaves a tensor the file lacks at its initial value with at most a log line
+    check_weight_names(model, weight_names(ckpt), ckpt)
+    return model.to(device).eval()

@@ -18,7 +18,7 @@ import re
 import struct
 from pathlib import Path
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 from dspark.verifier.info import CONFIG_FIX as _FIX, VerifierInfo, read_json_object
 
 HEADER_LIMIT = 100 << 20  # a safetensors header's size limit, as the format sets it

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import xxhash
 
-from dspark.errors import InputError
-from dspark.files import FileRefused, file_xxh3
+from dspark.core.errors import InputError
+from dspark.core.files import FileRefused, file_xxh3
 from dspark.verifier.info import VerifierInfo
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers loads a model's weights from

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 
 
 def local_model(name_or_path: str | Path, cache_dir: str | Path | None = None, revision: str | None = None) -> Path:

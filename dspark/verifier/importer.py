@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from dspark.errors import InputError
-from dspark.files import FileRefused, open_regular
-from dspark.fsio import publishing, remove_leftovers
-from dspark.outputs import check_output, output_lock
-from dspark.records import object_or_none
-from dspark.settings import setting
+from dspark.core.errors import InputError
+from dspark.core.files import FileRefused, open_regular
+from dspark.core.fsio import publishing, remove_leftovers
+from dspark.core.outputs import check_output, output_lock
+from dspark.core.records import object_or_none
+from dspark.core.settings import setting
 
 DTYPES = ("bfloat16", "float16", "float32")
 IMPORT_RECORD = "dspark_import.json"  # written last: its presence means the folder is complete

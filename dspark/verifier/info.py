@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.errors import InputError
-from dspark.files import FileRefused, read_bounded
+from dspark.core.errors import InputError
+from dspark.core.files import FileRefused, read_bounded
 
 JSON_LIMIT = 64 << 20  # bytes read of config.json or a weight index: real ones are KBs to a few MBs
 CONFIG_FIX = "correct config.json to match the model's weights, or download the model folder again"

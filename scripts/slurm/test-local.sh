@@ -30,7 +30,7 @@ config["train"]["tracking"] = {"logger": "tensorboard,mlflow"}
 yaml.safe_dump(config, open(sys.argv[2], "w"))
 PY
 # Ports outside the kernel's ephemeral range, which no connection can take before its server binds it.
-read -r MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT < <(.venv/bin/python -m dspark.net 4)
+read -r MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT < <(.venv/bin/python -m dspark.core.net 4)
 # The live server is the seed's pair on one node: TP 2, rank 1 --headless (gloo between them).
 export MODEL=$W/models/tiny DATA_PATH=$W/prepared EXTRACT_NODES=2 EXTRACT_TP=2 VLLM_CPU_OMP_THREADS_BIND=nobind \
   HEALTH_TIMEOUT=300 MOONCAKE_PORT MOONCAKE_METRICS_PORT EXTRACT_PORT EXTRACT_MASTER_PORT TRAIN_NPROC=1 STOP_GRACE=30

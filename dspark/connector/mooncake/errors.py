@@ -1,6 +1,6 @@
 """What can go wrong with Mooncake, as named errors carrying what to do."""
 
-from dspark.errors import DsparkError
+from dspark.core.errors import DsparkError
 
 
 class MooncakeError(DsparkError):

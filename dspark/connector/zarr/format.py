@@ -50,8 +50,8 @@ from pathlib import Path
 
 import numcodecs.blosc
 
-from dspark.errors import StoreError
-from dspark.files import FileRefused, read_bounded
+from dspark.core.errors import StoreError
+from dspark.core.files import FileRefused, read_bounded
 
 CAPACITY = 1 << 40  # tokens per segment; chunks are sparse, so this costs nothing
 INDEX_RECORD = struct.Struct("<qqqII")  # sample_id, start, length, sample crc, record crc

@@ -30,8 +30,8 @@ from dspark.connector.manifest import IDENTITY_FIELDS, StoreManifest, weights_di
 from dspark.connector.zarr.format import (BLOSC_MAX_OVERHEAD, META_BYTES, SEGMENT_FIX, IndexEntry, chunk_path,
                                           segment_indexes)
 from dspark.connector.zarr.verify import ZarrReport, note_repair, repaired_records
-from dspark.errors import DamagedSample, StoreError
-from dspark.files import FileRefused, open_regular, read_bounded, read_upto
+from dspark.core.errors import DamagedSample, StoreError
+from dspark.core.files import FileRefused, open_regular, read_bounded, read_upto
 
 
 class _ChunkDamaged(Exception):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from dspark.connector.base import VerifyReport
 from dspark.connector.zarr.format import INDEX_RECORD, META_BYTES
-from dspark.files import FileRefused, read_bounded
-from dspark.fsio import write_atomic
+from dspark.core.files import FileRefused, read_bounded
+from dspark.core.fsio import write_atomic
 
 
 class ZarrReport(VerifyReport):

@@ -28,8 +28,8 @@ from dspark.connector.config import ZarrConfig
 from dspark.connector.encoding import encode, stored_numpy_dtype, torch_dtype
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.zarr.format import CAPACITY, chunk_path, index_record, segment_indexes
-from dspark.errors import InputError, StoreError
-from dspark.fsio import replacing
+from dspark.core.errors import InputError, StoreError
+from dspark.core.fsio import replacing
 
 _SHUFFLE = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from dspark.serving.bench.metrics import Reading, count, read
-from dspark.errors import DsparkError
-from dspark.jsonio import loads
+from dspark.core.errors import DsparkError
+from dspark.core.jsonio import loads
 from dspark.vllm_server import SERVER_INFO_PATH
 
 MAX_BODY = 16 << 20  # bytes of one GET's body (/v1/models, /metrics, /version): a large vLLM's /metrics is ~1 MB

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dspark.eval.report import save_figure
+from dspark.core.report import save_figure
 
 
 def _ms(p: dict) -> str:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Literal
 
 from dspark.serving.bench.client import BenchError, Result, Server
-from dspark.settings import check_settings, setting
-from dspark.errors import InputError
+from dspark.core.settings import check_settings, setting
+from dspark.core.errors import InputError
 
 WARMUP_TOKENS = 8  # one short request per server first: its one-time costs stay out of the figures
 REPORT_FILES = ("bench.json", "bench.md", "bench.png")  # what write_report puts in --output
@@ -159,7 +159,7 @@ def _warm(cfg: BenchConfig, t: Target, prompt) -> None:
 def _output_folder(output: str) -> Path:
     """--output, checked by the output rule before any request, so a bench never runs to its end to find it cannot
     write: a folder, whose other files are left alone; bench's own files in it are replaced."""
-    from dspark.outputs import check_output
+    from dspark.core.outputs import check_output
 
     out = Path(output)
     check_output("--output", out, folder=True)
@@ -173,7 +173,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, warn=print) -> tuple[dict
 
     from dspark.serving.bench.report import markdown, plot
     from dspark.data.prompts import load_prompt_set
-    from dspark.eval.report import write_report
+    from dspark.core.report import write_report
     from dspark.verifier.hub import local_model
     from dspark.data.prepare import load_tokenizer
 

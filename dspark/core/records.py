@@ -2,15 +2,15 @@
 
 A run's config.json, metrics.jsonl and trackers.json and a regenerate's OUTPUT.regenerate.json are
 written by dspark, but a user, a broken copy or an older dspark may have left something else there.
-Every reader of one goes through here: a bounded read of a regular file (`dspark.files`), strict
+Every reader of one goes through here: a bounded read of a regular file (`dspark.core.files`), strict
 JSON, then the fields the reader uses: present, of their type, in their range. A failure is one
 `InputError` naming the file and the field ("RUN/config.json: field train.epochs is 'x', expected an
 integer >= 1"), never a traceback deep in the command that used the value. Fields a schema does not
 name are left alone: a newer dspark may add some.
 
 A schema is a dict of field name -> `Field`; a dataclass of settings gives its own (`settings_schema`:
-each setting typed and bounded by `dspark.settings`' own rule), so a run's recorded `train` section is
-held to what `dspark train` accepts. Dependency-free but for `dspark.settings`: any layer may use it.
+each setting typed and bounded by `dspark.core.settings`' own rule), so a run's recorded `train` section is
+held to what `dspark train` accepts. Dependency-free but for `dspark.core.settings`: any layer may use it.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dspark import jsonio, settings
-from dspark.errors import InputError
-from dspark.files import FileRefused, read_bounded
+from dspark.core import jsonio, settings
+from dspark.core.errors import InputError
+from dspark.core.files import FileRefused, read_bounded
 
 RECORD_LIMIT = 16 << 20  # bytes of one JSON record (dspark writes a few KiB): more is damage, not read
 LOG_LIMIT = 1 << 30  # bytes of a run's metrics.jsonl (~0.5 KiB a log point: two million of them)
@@ -43,7 +43,7 @@ def integer(ge: int | None = None) -> Field:
 
 
 def number_or_null() -> Field:
-    """A number, or null: a result dspark wrote as null because it was not finite (`dspark.jsonio`)."""
+    """A number, or null: a result dspark wrote as null because it was not finite (`dspark.core.jsonio`)."""
     return Field("a number or null", lambda v: v is None or type(v) in (int, float))
 
 
@@ -72,7 +72,7 @@ def optional(f: Field) -> Field:
 
 
 def settings_schema(cls) -> dict:
-    """The schema of a settings dataclass: each setting typed as `dspark.settings` types a config file's value
+    """The schema of a settings dataclass: each setting typed as `dspark.core.settings` types a config file's value
     (strictly: a record holds numbers as numbers) and within its bounds. Each may be left out: a record of an
     older dspark lacks the settings added since, which take their defaults."""
     hints = typing.get_type_hints(cls)

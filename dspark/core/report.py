@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dspark.fsio import replacing, write_atomic
-from dspark.jsonio import dump_json
+from dspark.core.fsio import replacing, write_atomic
+from dspark.core.jsonio import dump_json
 
 EVAL_DIR = "eval"  # CHECKPOINT/eval: the reports of that checkpoint
 

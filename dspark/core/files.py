@@ -6,7 +6,7 @@ forever. The readers here open regular files only and never read more than the c
 expects. They raise `FileRefused`, whose message completes "<the file> ..."; callers
 turn it into their own user-facing error.
 
-Writing them whole is `dspark.fsio`'s.
+Writing them whole is `dspark.core.fsio`'s.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class DataReader:
         line = self._count(self._stream.readline(MAX_LINE_BYTES + 1))
         self.lineno += 1
         if len(line) > MAX_LINE_BYTES:
-            raise FileRefused(f"line {self.lineno} is over {MAX_LINE_BYTES} bytes (dspark.files.MAX_LINE_BYTES)",
+            raise FileRefused(f"line {self.lineno} is over {MAX_LINE_BYTES} bytes (dspark.core.files.MAX_LINE_BYTES)",
                               "split or delete that record")
         return line
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from dspark.errors import DsparkError, InputError
+from dspark.core.errors import DsparkError, InputError
 
 # A write that fails with one of these is the filesystem's state, not a bug: one line, not a traceback.
 WRITE_ERRNOS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",

@@ -1,7 +1,7 @@
 """Ports for servers started on this host, and the one readiness check of every deployment.
 
-    python -m dspark.net N                  N free ports (tests, benchmarks, the one-node Slurm check)
-    python -m dspark.net wait URL [--timeout S] [--pid PID] [--name WHAT]
+    python -m dspark.core.net N                  N free ports (tests, benchmarks, the one-node Slurm check)
+    python -m dspark.core.net wait URL [--timeout S] [--pid PID] [--name WHAT]
         exit 0 once URL answers: http(s)://... with a 2xx, tcp://HOST:PORT by accepting a connection;
         exit 1 with one line when S seconds pass (0: one probe, for container healthchecks) or the
         process PID, the server starting, exits first.
@@ -17,8 +17,8 @@ import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 
-from dspark.errors import InputError
-from dspark.settings import add_arguments, parsed_config, setting
+from dspark.core.errors import InputError
+from dspark.core.settings import add_arguments, parsed_config, setting
 
 # Kernel-chosen ports (connect()'s source ports, bind to port 0) come from this range on Linux.
 _EPHEMERAL = "/proc/sys/net/ipv4/ip_local_port_range"
@@ -94,7 +94,7 @@ def wait(url: str, timeout: float, pid: int | None = None, name: str | None = No
 
 @dataclass
 class WaitConfig:
-    """`python -m dspark.net wait`: exit 0 once a server answers."""
+    """`python -m dspark.core.net wait`: exit 0 once a server answers."""
 
     url: str = setting(help="http(s)://HOST:PORT/PATH (a 2xx) or tcp://HOST:PORT (a connection).", positional=True)
     timeout: float = setting(0.0, "Seconds to keep trying (0: one probe).", ge=0)
@@ -108,7 +108,7 @@ def _main(argv: list[str]) -> int:
         return 0
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m dspark.net wait", description=WaitConfig.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m dspark.core.net wait", description=WaitConfig.__doc__)
     add_arguments(parser, WaitConfig, config_file=False)
     try:
         cfg = parsed_config(WaitConfig, parser.parse_args(argv[1:]))

@@ -23,8 +23,8 @@ from dataclasses import MISSING, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from dspark.errors import InputError
-from dspark.files import FileRefused, read_bounded
+from dspark.core.errors import InputError
+from dspark.core.files import FileRefused, read_bounded
 
 SEP = "__"  # parameter names: live__mooncake__master <-> cfg.live.mooncake.master
 MAX_CONFIG_BYTES = 1 << 20  # a settings file is a few KB

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
-from dspark.errors import InputError
+from dspark.core.errors import InputError
 
 T = TypeVar("T")
 
