@@ -9,6 +9,7 @@ prints what it finds.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,69 @@ def test_no_import_cycle_among_dspark_files():
     found = cycles(import_graph(sources("dspark")))
     assert not found, "import cycles:\n" + "\n".join(
         " -> ".join(str(p.relative_to(ROOT)) for p in c) for c in found)
+
+
+def unit(path: Path) -> str:
+    """The top-level folder or root module of dspark a file belongs to (`dspark/train/loop.py` -> `train`)."""
+    parts = path.relative_to(ROOT / "dspark").parts
+    return parts[0].removesuffix(".py")
+
+
+def import_rules(root: Path) -> dict[str, set[str] | None]:
+    """Each top-level package's rule, the paragraph of its __init__.py docstring that starts `Imports:`: the folders
+    and root modules of dspark its files may import besides their own (None for `any`, an empty set for `nothing`;
+    a package that states none is missing). Words in parentheses say why and are not names."""
+    rules: dict[str, set[str] | None] = {}
+    for init in sorted(root.glob("dspark/*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        stated = next((" ".join(p.split()) for p in doc.split("\n\n") if p.startswith("Imports:")), None)
+        if stated is None:
+            continue
+        names = {n.strip() for n in re.sub(r"\([^)]*\)", "", stated.removeprefix("Imports:")).rstrip(". ").split(",")}
+        rules[init.parent.name] = None if names == {"any"} else set() if names == {"nothing"} else names
+    return rules
+
+
+def imported_units(files: list[Path]) -> dict[str, set[str]]:
+    """Folder or root module -> the other folders and root modules of dspark its files import (dspark/__init__.py,
+    the version, is no unit)."""
+    out: dict[str, set[str]] = {}
+    for f in files:
+        for _, target, _ in dspark_imports(f):
+            if target != ROOT / "dspark" / "__init__.py" and unit(target) != unit(f):
+                out.setdefault(unit(f), set()).add(unit(target))
+    return out
+
+
+def test_each_package_imports_exactly_what_its_init_states():
+    rules = import_rules(ROOT)
+    used = imported_units(sources("dspark"))
+    missing = sorted(p.parent.name for p in ROOT.glob("dspark/*/__init__.py") if p.parent.name not in rules)
+    assert not missing, f"packages without an `Imports:` line in their __init__.py docstring: {missing}"
+    wrong = []
+    for package, allowed in rules.items():
+        if allowed is None:
+            continue
+        have = used.get(package, set())
+        wrong += [f"{package} imports {u}, which its __init__.py does not state" for u in sorted(have - allowed)]
+        wrong += [f"{package}/__init__.py states {u}, which it does not import" for u in sorted(allowed - have)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_import_rule_check_reads_the_stated_line_and_sees_an_unstated_import(tmp_path, monkeypatch):
+    for name, doc, code in (("low", "Imports: nothing.", ""), ("mid", "Bits.\n\nImports: low (its\nparts, all).",
+                                                                "from dspark.low import a\n"),
+                            ("top", "Imports: low.", "from dspark.mid import b\n")):
+        pkg = tmp_path / "dspark" / name
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(f'"""{doc}"""\n')
+        (pkg / "a.py").write_text(code + "a = b = 1\n")
+    (tmp_path / "dspark" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_rules(tmp_path) == {"low": set(), "mid": {"low"}, "top": {"low"}}
+    assert imported_units(sources("dspark")) == {"mid": {"low"}, "top": {"mid"}}
+    with pytest.raises(AssertionError, match="top imports mid, which its __init__.py does not state"):
+        test_each_package_imports_exactly_what_its_init_states()
 
 
 def test_no_private_name_is_used_outside_its_module():

@@ -1,7 +1,9 @@
 """The `dspark` command line: the only user of click; one thin command per typed config.
 
-Each command builds its configs from options the configs' settings generate, then runs them. May
-import any dspark module's config, and heavy modules (torch, vLLM) only inside a command.
+Each command builds its configs from options the configs' settings generate, then runs them; heavy modules
+(torch, vLLM) load only inside a command.
+
+Imports: any.
 """
 
 from dspark.cli import data, evaluate, extract, serving, train  # noqa: F401  (each registers its commands)

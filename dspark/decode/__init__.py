@@ -1,4 +1,4 @@
 """Speculative decoding with a trained drafter: settings, drafters, the decode loop and its report.
 
-May import what sits below it (train, eval, export, extract, data, verifier, kinds, settings); never the CLI.
+Imports: core, data, extract (the layer capture), kinds, tracking, train, verifier.
 """

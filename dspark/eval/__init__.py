@@ -1,5 +1,4 @@
-"""Teacher-forced evaluation of a checkpoint (teacher_forced.py), and the files every report writes (report.py).
+"""Teacher-forced evaluation of a checkpoint (teacher_forced.py) and its settings (config.py).
 
-May import train (checkpoints, data), connector (the store), kinds, tracking and the ground floor; never decode or
-the CLI.
+Imports: connector (the store), core, data, kinds, tracking, train (checkpoints, data, blocks).
 """

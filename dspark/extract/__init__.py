@@ -1,4 +1,4 @@
 """Extraction: the engine seam, its engines (transformers, vLLM), the resumable runner, `dspark serve`, launcher.
 
-May import dspark.connector (the sinks it writes to), prepare, the verifier modules, settings; never train or the CLI.
+Imports: connector (the sinks it writes to), core, data (prepared samples), verifier, vllm_server.
 """

@@ -6,9 +6,11 @@
     dspark.py  DSpark: DFlash with the Markov and confidence heads, vLLM's `method: dspark`
     eagle3.py  EAGLE-3: autoregressive over 3 fused layers, no block
 
-Every stage calls its kind and compares no kind name (tests/test_kind_seam.py). May import dspark's ground floor
-(registry, errors, vllm_server's constants) only, and speculators' classes and the decode loop's drafters through
-"module:Class" strings loaded at use: train, decode, eval, export and serving all import it.
+Every stage calls its kind and compares no kind name (tests/test_kind_seam.py). Speculators' classes and the
+decode loop's drafters come through "module:Class" strings loaded at use: train, decode, eval, export and serving
+all import it.
+
+Imports: core, vllm_server (its runner constant).
 """
 
 from dspark.kinds.base import DEFAULT_KIND, KINDS, Kind, kind_of, register, serving_kind, vllm_methods

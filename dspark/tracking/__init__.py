@@ -5,5 +5,7 @@
     run.py       the run's trackers: started, fed and closed off the training thread; eval logs into them
 
 RUN/metrics.jsonl stays the record (replay compares it); trackers mirror it and never stop training.
-May import settings and errors (and each tracker's own library, lazily); never the CLI.
+Each tracker's own library loads lazily.
+
+Imports: core.
 """

@@ -1,6 +1,7 @@
 """The verifier: what dspark knows of its folder (info.py), the checks before building it (check.py), its content
 hashes (fingerprint.py), hub ids (hub.py), `dspark verifier import` (importer.py) and the toy one (toy.py).
 
-May import dspark's ground floor (settings, errors, files, fsio, jsonio, outputs, records) only: every stage
-reads the verifier, so it sits below them all.
+Every stage reads the verifier, so it sits below them all.
+
+Imports: core.
 """
