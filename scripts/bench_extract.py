@@ -38,6 +38,7 @@ from dspark.extract.runner import plan_batches
 from dspark.core.fsio import write_atomic
 from dspark.core.jsonio import dump_json
 from dspark.data.prepare import PreparedData
+from dspark.verifier.resolved import Verifier
 
 WARMUP_SAMPLES = 4
 
@@ -56,11 +57,12 @@ def _plan(args):
 def _transformers(args, data, batches, warmup) -> dict[str, list[float]]:
     from dspark.extract.transformers_engine import TransformersEngine, decoder_stack
 
-    engine = TransformersEngine(args.model, args.target_layer_ids, device="cpu")
-    bare = TransformersEngine(args.model, args.target_layer_ids, device="cpu")
+    verifier = Verifier.resolve(args.model)
+    engine = TransformersEngine(verifier, args.target_layer_ids, device="cpu")
+    bare = TransformersEngine(verifier, args.target_layer_ids, device="cpu")
     for h in [m for m in bare.model.modules()]:
         h._forward_hooks.clear()  # the bare arm captures nothing
-    manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint, encoding="raw")
+    manifest = manifest_for_model(verifier, args.target_layer_ids, data.fingerprint, encoding="raw")
 
     @torch.inference_mode()
     def run_bare(batches=batches):
@@ -107,7 +109,6 @@ def _vllm_worker(args, data, batches, warmup) -> float:
     from dspark.connector.config import SinkConfig, ZarrConfig
     from dspark.extract.base import open_engine
     from dspark.extract.config import ExtractConfig
-    from dspark.verifier.resolved import Verifier
     from dspark.vllm_server import cpu_env
 
     root = Path(tempfile.mkdtemp())
@@ -129,8 +130,9 @@ def _vllm_worker(args, data, batches, warmup) -> float:
                                prepared_fingerprint=data.fingerprint)
             cfg = ExtractConfig(model=args.model, data=args.data, target_layer_ids=args.target_layer_ids,
                                 engine="vllm", sink=sinks)
-            engine = open_engine(cfg, Verifier.resolve(args.model), sinks)
-            manifest = manifest_for_model(args.model, args.target_layer_ids, data.fingerprint, encoding="raw",
+            verifier = Verifier.resolve(args.model)
+            engine = open_engine(cfg, verifier, sinks)
+            manifest = manifest_for_model(verifier, args.target_layer_ids, data.fingerprint, encoding="raw",
                                           dtype=engine.dtype_name)
             sink = ZarrSink(root / "store", manifest)
 

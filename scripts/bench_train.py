@@ -88,9 +88,10 @@ def preload(cfg, steps: int | None):
 def bare(cfg, batches, total_steps, device, prepared) -> float:
     from dspark.train.loop import seed_everything
     from dspark.train.model import build_model, build_optimizers, build_schedulers, loss_kwargs
+    from dspark.verifier.resolved import Verifier
 
     seed_everything(cfg.seed)
-    model = build_model(cfg, prepared, device)
+    model = build_model(cfg, prepared, device, Verifier.resolve(cfg.verifier_name_or_path))
     kw = loss_kwargs(model, cfg, device)
     opts = build_optimizers(model, cfg)
     scheds = build_schedulers(opts, cfg, total_steps)

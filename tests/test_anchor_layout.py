@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import fit, run_cli, train_cfg as cfg
+from dspark.verifier.resolved import Verifier
 from dspark.core.errors import InputError
 from dspark.train.config import RESULT_NEUTRAL, TrainConfig
 from dspark.train.loop import Trainer
@@ -43,7 +44,8 @@ def test_the_default_keeps_dspark_layout(store, prepared, verifier, tmp_path):
     c = cfg(store, prepared, verifier, tmp_path / "r")
     assert c.sample_from_anchor is True
     for anchor, drafts in ((True, 8), (False, 7)):
-        model = build_model(replace(c, sample_from_anchor=anchor), PreparedData(prepared), torch.device("cpu"))
+        model = build_model(replace(c, sample_from_anchor=anchor), PreparedData(prepared), torch.device("cpu"),
+                            Verifier.resolve(c.verifier_name_or_path))
         assert model.config.sample_from_anchor is anchor
         assert model.config.speculators_config.proposal_methods[0].speculative_tokens == drafts
 

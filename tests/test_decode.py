@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
+from dspark.verifier import resolved
 from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
 from dspark.decode.proposal import Proposal
@@ -40,7 +41,7 @@ def test_a_proposed_block_is_the_training_forward_at_that_anchor(sample_from_anc
 
     cfg = train_cfg(store, prepared, verifier, tmp_path / "r", sample_from_anchor=sample_from_anchor)
     torch.manual_seed(0)
-    model = build_model(cfg, PreparedData(prepared), torch.device("cpu")).eval()
+    model = build_model(cfg, PreparedData(prepared), torch.device("cpu"), resolved.Verifier.resolve(verifier)).eval()
     drafter = Drafter(model, "dspark")
     assert drafter.num_speculative_tokens == (8 if sample_from_anchor else 7)
     ids, mask = PreparedData(prepared).sample(2)

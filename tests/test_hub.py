@@ -6,6 +6,7 @@ import os
 import pytest
 
 from conftest import LAYERS, hf_cache_model, run_cli
+from dspark.verifier.resolved import Verifier
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.core.errors import InputError
 from dspark.verifier.hub import local_model, model_name
@@ -54,8 +55,8 @@ def test_prepare_with_a_hub_id_equals_prepare_with_its_folder(cached, verifier, 
 def test_train_with_a_hub_id_meets_the_store_its_folder_wrote(cached, verifier, prepared, store, tmp_path):
     """Same identity (config, tokenizer, weights) and the same default store name as the folder gives."""
     snapshot = local_model(cached, tmp_path / "hf" / "hub")
-    identity = manifest_for_model(verifier, LAYERS, "f", encoding="raw").model_dump()
-    assert manifest_for_model(snapshot, LAYERS, "f", encoding="raw").model_dump() == identity
+    identity = manifest_for_model(Verifier.resolve(verifier), LAYERS, "f", encoding="raw").model_dump()
+    assert manifest_for_model(Verifier.resolve(snapshot), LAYERS, "f", encoding="raw").model_dump() == identity
     assert default_store(snapshot, LAYERS, "f" * 12) == default_store(verifier, LAYERS, "f" * 12)
     out = run_cli("train", "--verifier-name-or-path", cached, "--store", store, "--data-path", prepared,
                   "--save-path", tmp_path / "run", "--target-layer-ids", *LAYERS, "--max-steps", "1",

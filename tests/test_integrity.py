@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import LAYERS, run_cli, train_cfg
+from dspark.verifier.resolved import Verifier
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
@@ -370,7 +371,7 @@ def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifie
 
         def source():
             return SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(
-                verifier, LAYERS, data.fingerprint, encoding="raw"), prompts=data, live=live)
+                Verifier.resolve(verifier), LAYERS, data.fingerprint, encoding="raw"), prompts=data, live=live)
 
         first = source()
         originals = {i: first.read(i) for i in range(3)}
@@ -437,10 +438,11 @@ def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_un
                                   sink=SinkConfig(zarr=ZarrConfig(store=str(root))),
                                   target_layer_ids=LAYERS, batch_tokens=1024), progress=False)
     with pytest.raises(StoreMismatch, match="other verifier weights"):
-        require_matching_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"))
+        require_matching_store(ZarrStore(root), train_cfg(root, prepared, other_verifier, tmp_path / "run"),
+                               Verifier.resolve(other_verifier))
     assert files(root) == before  # nothing written
     accepted = train_cfg(root, prepared, other_verifier, tmp_path / "run", accept_other_weights=True)
-    require_matching_store(ZarrStore(root), accepted)
+    require_matching_store(ZarrStore(root), accepted, Verifier.resolve(other_verifier))
     assert accepted.to_dict()["accept_other_weights"] is True  # what the run records in its config.json
     out = json.loads(run_cli(*repair, "--accept-other-weights").stdout)
     assert out["re_extracted"] == sorted(lost)

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
+from dspark.verifier.resolved import Verifier
 from dspark.connector.base import Sample
 from dspark.connector.registry import SOURCES
 from dspark.connector.live import LiveConfig, LiveSourceDown
@@ -144,8 +145,8 @@ def live_source(cache, verifier, prepared, master, endpoint, **live):
     """The trainer's live source in this process, mounting 64 MiB (a serve started with segment 0 puts there)."""
     data = PreparedData(prepared)
     cfg = LiveConfig(endpoint=endpoint, mooncake=replace(small_cfg(64), master=master), **live)
-    return data, SOURCES["mooncake"](store=cache, manifest=manifest_for_model(verifier, LAYERS, data.fingerprint, encoding="raw"),
-                                     prompts=data, live=cfg)
+    manifest = manifest_for_model(Verifier.resolve(verifier), LAYERS, data.fingerprint, encoding="raw")
+    return data, SOURCES["mooncake"](store=cache, manifest=manifest, prompts=data, live=cfg)
 
 
 def test_a_producer_that_mounts_no_memory_puts_into_the_trainers_at_once(tmp_path, verifier, prepared, master):

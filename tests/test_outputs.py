@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import LAYERS, run_cli, write_jsonl
+from dspark.verifier.resolved import Verifier
 from dspark.core.errors import InputError
 from dspark.data.holdout import split
 from dspark.core.outputs import output_lock
@@ -199,7 +200,8 @@ def test_an_extract_whose_new_store_a_concurrent_extract_created_with_another_co
 
     def the_other_extract_creates_it_first(*a, **kw):  # between this one's check and its sink's creation
         engine = real(*a, **kw)
-        manifest_for_model(verifier, LAYERS, PreparedData(prepared).fingerprint, encoding="raw", dtype=engine.dtype_name,
+        manifest_for_model(Verifier.resolve(verifier), LAYERS, PreparedData(prepared).fingerprint, encoding="raw",
+                           dtype=engine.dtype_name,
                            codec="lz4").create_or_match(store)
         return engine
 

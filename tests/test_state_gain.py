@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import LAYERS, fit, prompt_ids, train_cfg
+from dspark.verifier import resolved
 from dspark.connector.base import Sample
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
@@ -101,7 +102,7 @@ def test_teacher_forced_drafts_are_the_decode_loops_and_tau_its_acceptance(sampl
     cfg = train_cfg(store, prepared, verifier, tmp_path / "r", sample_from_anchor=sample_from_anchor,
                     markov_head_type=head)
     torch.manual_seed(0)
-    model = build_model(cfg, PreparedData(prepared), torch.device("cpu")).eval()
+    model = build_model(cfg, PreparedData(prepared), torch.device("cpu"), resolved.Verifier.resolve(verifier)).eval()
     with torch.no_grad():  # a Markov bias that outweighs the logits: a draft chained from a wrong token shows
         model.markov_head.markov_w1.weight.mul_(300)
     prompt = prompt_ids(prepared, 1)[0]

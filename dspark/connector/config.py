@@ -212,12 +212,12 @@ class SinkConfig:
                    zarr=ZarrConfig(store=store, chunk_tokens=manifest.chunk_tokens,
                                    accept_other_weights=accept_other_weights))
 
-    def manifest(self, model, target_layer_ids: list[int], prepared_fingerprint: str, dtype: str | None):
-        """The store identity these sinks write samples of `model` (a folder or a resolved Verifier) under
-        (manifest.py's `manifest_for_model`)."""
+    def manifest(self, verifier, target_layer_ids: list[int], prepared_fingerprint: str, dtype: str | None):
+        """The store identity these sinks write samples of `verifier` (resolved) under (manifest.py's
+        `manifest_for_model`)."""
         from dspark.connector.manifest import manifest_for_model
 
-        return manifest_for_model(model, target_layer_ids, prepared_fingerprint, encoding=self.encoding,
+        return manifest_for_model(verifier, target_layer_ids, prepared_fingerprint, encoding=self.encoding,
                                   chunk_tokens=self.zarr.chunk_tokens, verifier_name=self.verifier_name, dtype=dtype,
                                   codec=self.zarr.codec)
 

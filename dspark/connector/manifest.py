@@ -88,14 +88,14 @@ class StoreManifest(BaseModel):
         return out
 
     def require_match(self, where: str, fix: str, expected: StoreManifest | None = None, *,
-                      verifier: str | Path | Verifier | None = None, accept_other_weights: bool = False, **wanted) -> bool:
+                      verifier: Verifier | None = None, accept_other_weights: bool = False, **wanted) -> bool:
         """The one identity check of a store (extract, train, verify, repair): StoreMismatch naming every field
         that differs from `expected` (a writer's whole identity) or from `wanted` (the fields a reader knows,
         e.g. prepared_fingerprint). `verifier`: a model whose weights must be the store's, named in the error.
         Returns whether the store holds other weights than wanted, accepted by `accept_other_weights`.
         """
         if verifier is not None:
-            wanted["verifier_weights_hash"] = Verifier.resolve(verifier).weights_hash
+            wanted["verifier_weights_hash"] = verifier.weights_hash
         expected = expected or self.model_copy(update=wanted)
         named = verifier is not None and weights_differ(self.verifier_weights_hash, expected.verifier_weights_hash)
         diffs = self.mismatches(expected, accept_other_weights or named)
@@ -190,17 +190,15 @@ def default_chunk_tokens(token_bytes: int, target_bytes: int = 1 << 20) -> int:
     return int(min(4096, max(16, 1 << (tokens.bit_length() - 1))))
 
 
-def manifest_for_model(model: str | Path | Verifier, target_layer_ids: list[int], prepared_fingerprint: str, *,
+def manifest_for_model(verifier: Verifier, target_layer_ids: list[int], prepared_fingerprint: str, *,
                        encoding: Encoding, chunk_tokens: int | None = None, verifier_name: str | None = None,
                        dtype: str | None = None, codec: str | None = None) -> StoreManifest:
-    """The store identity for states of `model` at these layers over one prepared data set.
+    """The store identity for states of `verifier` at these layers over one prepared data set.
 
     Built from the model folder alone, so every producer (the transformers engine,
     `dspark serve`, a vLLM worker) and a trainer filling a cache agree on it byte for byte.
-    Its config.json is read as JSON (so trust_remote_code changes nothing here); a resolved Verifier
-    keeps its hashes, so a producer serving many data sets hashes the weights once.
+    The verifier keeps its hashes, so a producer serving many data sets hashes the weights once.
     """
-    verifier = Verifier.resolve(model)
     info = verifier.info
     layers = info.check_layer_ids(target_layer_ids)
     dtype = dtype or info.dtype or "float32"

@@ -85,14 +85,13 @@ def open_source(cfg: TrainConfig, prepared: PreparedData, verifier: Verifier) ->
     return SOURCES[cfg.source](store=cfg.store, manifest=manifest, prompts=prepared, live=cfg.live)
 
 
-def require_matching_store(source, cfg: TrainConfig, verifier: Verifier | None = None) -> None:
+def require_matching_store(source, cfg: TrainConfig, verifier: Verifier) -> None:
     """The store must hold this verifier's states, at least at the layers this drafter reads."""
     m = source.manifest
     if not set(cfg.target_layer_ids) <= set(m.target_layer_ids):  # a drafter may read some of the store's layers
         raise StoreMismatch(f"store {cfg.store} does not match verifier {cfg.verifier_name_or_path}: layer ids: store "
                             f"{m.target_layer_ids}, --target-layer-ids {list(cfg.target_layer_ids)} (the store must "
                             "hold each of them)", "train with the layer ids the store was extracted with")
-    verifier = Verifier.resolve(verifier or cfg.verifier_name_or_path)
     if m.require_match(cfg.store, "train with the verifier the store was extracted with", verifier=verifier,
                        accept_other_weights=cfg.accept_other_weights, hidden_size=verifier.info.hidden_size,
                        tokenizer_hash=verifier.tokenizer_hash):

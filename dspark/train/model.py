@@ -63,15 +63,15 @@ def mask_token_id(cfg: TrainConfig) -> int:
     return token
 
 
-def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device, verifier: Verifier | None = None):
+def build_model(cfg: TrainConfig, prepared: PreparedData, device: torch.device, verifier: Verifier):
     """speculators' drafter of the run's kind: what every kind takes here, the kind's own arguments from the kind.
-    `verifier`: the run's, resolved where the command started (else from cfg)."""
+    `verifier`: the run's, resolved where the command started."""
     from speculators.models.utils import get_verifier_config
     from speculators.train.cli import create_transformer_layer_config, load_draft_transformer_layer_config
 
     kind = KINDS[cfg.speculator_type]
     # only its embedding is loaded here, not the whole model
-    verifier = str(Verifier.resolve(verifier or cfg.verifier_name_or_path).check(host_memory=False))
+    verifier = str(verifier.check(host_memory=False))
     vcfg = get_verifier_config(verifier, trust_remote_code=cfg.trust_remote_code)
     if cfg.draft_config:
         layer_cfg = load_draft_transformer_layer_config(cfg.draft_config, verifier, cfg.trust_remote_code)
