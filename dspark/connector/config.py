@@ -100,7 +100,7 @@ class ZarrConfig:
                                       "cache/stores/<verifier>-L<layers>-<data>, where `dspark train` looks for it.")
     codec: Codec | None = setting(
         None, f"Zarr compression of a new store (default: {DEFAULT_CODEC}, the smallest; lz4 reads faster and "
-              "stores larger: README, Performance). An existing store keeps its own.")
+              "stores larger: docs/performance.md). An existing store keeps its own.")
     chunk_tokens: int | None = setting(None, "Tokens per chunk (default: ~1 MiB chunks).", ge=1)
     rewrite: list[int] = setting(factory=list, cli=False)  # ids stored damaged: written again (a repair)
     # what the engine that extracts is (vLLM's version and model runner): recorded on each segment it writes
@@ -147,10 +147,14 @@ class SinkConfig:
         SINKS.parse(self.to)  # before a launcher hands an unknown name to vLLM's workers
 
     @property
+    def _offline(self) -> str | None:
+        """The name of the offline sink `to` names (the one writing into a store folder), or None."""
+        return next((n for n in SINKS.parse(self.to) if BACKENDS[n].offline), None)
+
+    @property
     def _at_rest(self):
-        """The config of the offline sink `to` names (the one writing into a store folder), or None."""
-        offline = [n for n in SINKS.parse(self.to) if BACKENDS[n].offline]
-        return getattr(self, offline[0]) if offline else None
+        """The config of the offline sink `to` names, or None."""
+        return getattr(self, self._offline) if self._offline else None
 
     @property
     def needs_store(self) -> bool:
@@ -170,8 +174,7 @@ class SinkConfig:
         """These sinks, the offline one writing into `store`."""
         if not self.needs_store:
             return self
-        name = next(n for n in SINKS.parse(self.to) if BACKENDS[n].offline)
-        return replace(self, **{name: replace(self._at_rest, store=store)})
+        return replace(self, **{self._offline: replace(self._at_rest, store=store)})
 
     def require_store(self, data: str | None) -> None:
         """An offline sink needs its store folder and the prepared data it holds (the store's identity)."""
@@ -189,7 +192,7 @@ class SinkConfig:
 
         if not (self.needs_store and self.store and (Path(self.store) / "manifest.json").exists()):
             return None
-        return open_store(self.store, next(n for n in SINKS.parse(self.to) if BACKENDS[n].offline))
+        return open_store(self.store, self._offline)
 
     @property
     def writer_threads(self) -> int:
