@@ -11,10 +11,9 @@ Callers never compare a backend's name: they ask its descriptor (`live`, `offlin
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
-from dspark.core.registry import Registry
+from dspark.core.registry import Registry, load
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,7 @@ class Backend:
 
     @property
     def config_class(self) -> type:
-        module, _, attr = self.config.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return load(self.config)
 
 
 _BACKENDS = (

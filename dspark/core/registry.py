@@ -18,6 +18,12 @@ from dspark.core.errors import InputError
 T = TypeVar("T")
 
 
+def load(path: str):
+    """"module:attr" -> that attribute, its module imported now: how every lazily named class or factory loads."""
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def parse_names(spec: str, known, flag: str) -> list[str]:
     """`zarr,mooncake` as its names, each one of `known`; else one line naming the unknown ones."""
     names = [n.strip() for n in spec.split(",") if n.strip()]
@@ -61,12 +67,13 @@ class Registry(Generic[T]):
     def __getitem__(self, name: str) -> T:
         """The entry, its module imported now; one line (InputError) for a name nothing registers."""
         if name not in self.entries and name in self._lazy:
-            module, _, attr = self._lazy[name].partition(":")
-            loaded = importlib.import_module(module)
-            if attr:
-                self.register(name, getattr(loaded, attr))
-            elif name not in self.entries:
-                raise ValueError(f"importing {module} registered no {self.what} {name!r}")
+            path = self._lazy[name]
+            if ":" in path:
+                self.register(name, load(path))
+            else:
+                importlib.import_module(path)
+                if name not in self.entries:
+                    raise ValueError(f"importing {path} registered no {self.what} {name!r}")
         if name not in self.entries:
             parse_names(str(name), self, self.flag)
         return self.entries[name]

@@ -28,19 +28,12 @@ loaded at use, and a stage passes in what a kind needs from it (the run's TrainC
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 
 from dspark.core.errors import InputError
-from dspark.core.registry import Registry
+from dspark.core.registry import Registry, load
 
 DEFAULT_KIND = "dspark"  # --speculator-type's default, and what a run record naming none trained
-
-
-def load(path: str):
-    """"module:attr" -> that attribute, its module imported now."""
-    module, name = path.split(":")
-    return getattr(importlib.import_module(module), name)
 
 
 class Kind:

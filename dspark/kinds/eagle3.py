@@ -8,7 +8,8 @@ not read. The decode loop's drafter is dspark.decode.eagle3.Eagle3Drafter.
 from __future__ import annotations
 
 from dspark.core.errors import InputError
-from dspark.kinds.base import Kind, load, register
+from dspark.core.registry import load
+from dspark.kinds.base import Kind, register
 
 
 @register
