@@ -21,7 +21,6 @@ from pathlib import Path
 from dspark.core.errors import InputError, StoreMismatch
 from dspark.train.checkpoint import RunDir
 from dspark.train.config import ReplayConfig, TrainConfig
-from dspark.train.metrics import MetricLog
 
 
 def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: float) -> str | None:
@@ -42,15 +41,16 @@ def first_divergence(recorded: list[dict], replayed: list[dict], tolerance: floa
 
 def replay(settings: ReplayConfig, progress: bool = True) -> dict:
     """Retrain RUN into RUN/replays/NNN and compare; it logs to trackers only when `--logger` names some."""
-    from dspark.connector.base import open_store
-    from dspark.connector.registry import store_backend
-    from dspark.train.loop import Trainer
-
     run, store, tolerance, logger = settings.run, settings.store, settings.tolerance, settings.logger
     rd = RunDir(run)
     rec = rd.record()
-    if rec is None:
+    if rec is None:  # refused before anything imports torch
         raise InputError(f"{run} is not a dspark run folder (no config.json)", "pass the --save-path of a run")
+    from dspark.connector.base import open_store
+    from dspark.connector.registry import store_backend
+    from dspark.train.loop import Trainer
+    from dspark.train.metrics import MetricLog
+
     recorded = MetricLog(rd.metrics_path).read()
     if not recorded:
         raise InputError(f"run {run} logged no metrics yet", "replay a run that trained at least --log-freq steps")

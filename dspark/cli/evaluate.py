@@ -59,6 +59,7 @@ def compare(cfg: CompareConfig, shown: Progress):
     drafted tokens/s, speedup over the verifier alone, training steps and time, parameters.
     Writes OUTPUT/compare.json/.md/.png (one bar per drafter per set).
     """
+    cfg.validate()  # its refusals come before the decode loop's imports (torch)
     from dspark.decode.compare import markdown, run_compare
 
     result, out = run_compare(cfg, progress=not shown.no_progress)

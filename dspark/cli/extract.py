@@ -18,9 +18,10 @@ def extract(cfg: ExtractConfig, shown: Progress):
     --to mooncake streams each sample to the live store for a trainer reading with
     --from mooncake (producer-driven, with back-pressure); --to zarr,mooncake tees.
     """
+    cfg = replace(cfg, model=local(cfg.model))  # a missing verifier: refused before the runner imports torch
     from dspark.extract.runner import run_extract
 
-    echo_json(run_extract(replace(cfg, model=local(cfg.model)), progress=not shown.no_progress))
+    echo_json(run_extract(cfg, progress=not shown.no_progress))
 
 
 @command(main, "serve", ServeConfig)
@@ -111,6 +112,7 @@ def store_repair(cfg: RepairConfig, shown: Progress):
 
     Healthy segments are not touched; reads take the new copies from then on.
     """
+    cfg = replace(cfg, model=local(cfg.model))
     from dspark.extract.runner import run_repair
 
-    echo_json(run_repair(replace(cfg, model=local(cfg.model)), progress=not shown.no_progress))
+    echo_json(run_repair(cfg, progress=not shown.no_progress))

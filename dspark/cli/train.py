@@ -27,9 +27,9 @@ def train(cfg: TrainConfig, actions: TrainActions, shown: Progress):
     if actions.print_config:
         echo_json(cfg.to_dict())
         return
+    cfg = replace(cfg, verifier_name_or_path=local(cfg.verifier_name_or_path))  # a missing one: refused before torch
     from dspark.train.loop import Trainer
 
-    cfg = replace(cfg, verifier_name_or_path=local(cfg.verifier_name_or_path))
     echo_json(Trainer(cfg, force=actions.force, progress=not shown.no_progress).fit())
 
 

@@ -53,14 +53,16 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from dspark.connector.manifest import StoreManifest
 from dspark.connector.registry import SINKS, SOURCES, store_backend
 from dspark.core.errors import StoreError, repair_command
+
+if TYPE_CHECKING:  # in annotations only: opening a store (`store info`, a refused path) loads no torch
+    import torch
 
 
 @dataclass

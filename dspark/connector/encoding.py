@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from dspark.connector.buffers import READS
 
+if TYPE_CHECKING:  # the functions that move tensors import torch: the manifest's sizes (bytes_per_token) need none
+    import torch
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-_BITS = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.uint32}
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     return getattr(torch, name)
 
 
@@ -36,9 +41,12 @@ def _pieces(rows: int, width: int, elements: int = 1 << 15):
 
 def encode(hidden: torch.Tensor, encoding: str) -> tuple[np.ndarray, np.ndarray | None]:
     """`hidden [T, L, H]` -> (payload bits [T, L, H], fp32 scales [T, L] or None)."""
+    import torch
+
     hidden = hidden.detach().cpu().contiguous()
     if encoding == "raw":
-        return hidden.view(_BITS[hidden.dtype]).numpy(), None
+        bits = {torch.bfloat16: torch.uint16, torch.float16: torch.uint16, torch.float32: torch.uint32}
+        return hidden.view(bits[hidden.dtype]).numpy(), None
     x = hidden.reshape(-1, hidden.shape[-1])
     scales = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
@@ -48,6 +56,8 @@ def encode(hidden: torch.Tensor, encoding: str) -> tuple[np.ndarray, np.ndarray 
 
 
 def decode(payload: np.ndarray, scales: np.ndarray | None, encoding: str, dtype: str) -> torch.Tensor:
+    import torch
+
     t = torch.from_numpy(np.ascontiguousarray(payload))
     if encoding == "raw":
         return t.view(torch_dtype(dtype))

@@ -29,7 +29,6 @@ from dspark.core.errors import InputError
 from dspark.eval.config import TeacherForcedConfig
 from dspark.core.report import EVAL_DIR, save_figure, write_report
 from dspark.tracking.run import log_results, results_trackers
-from dspark.train.model import load_checkpoint
 
 if TYPE_CHECKING:  # for annotations: the functions import torch where they use it
     import torch
@@ -255,15 +254,17 @@ def run_eval(cfg: TeacherForcedConfig, progress: bool = True) -> tuple[dict, Pat
     named (`--on-damaged skip`) or stop it (raise)."""
     import sys
 
+    from dspark.train.checkpoint import require_checkpoint
+
+    ckpt = require_checkpoint(cfg.checkpoint)  # a wrong folder is refused before anything imports torch
     from dspark.connector.base import open_store
     from dspark.kinds import kind_of
     from dspark.data.prepare import PreparedData
-    from dspark.train.checkpoint import require_checkpoint
     from dspark.train.config import TrainConfig
     from dspark.train.data import TrainData
     from dspark.train.device import pick_device
+    from dspark.train.model import load_checkpoint
 
-    ckpt = require_checkpoint(cfg.checkpoint)
     dev = pick_device(cfg.device, 0)
     run_root = ckpt.parent.parent
     results_trackers(ckpt)  # they get the results: a damaged trackers.json is one line now, not after the scoring

@@ -38,9 +38,9 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from dspark.core.errors import CheckpointError, InputError
 from dspark.core.files import FileRefused, file_xxh3, read_bounded
@@ -49,9 +49,14 @@ from dspark.core.jsonio import dump_json
 from dspark.core.outputs import Lock
 from dspark.train.config import read_run_record
 
+if TYPE_CHECKING:  # the functions that need torch import it: checking a checkpoint or a run folder loads none
+    import torch
+
 
 def rng_state() -> dict:
     """Every RNG a step draws from, as tensors, ints and strings (weights_only-loadable)."""
+    import torch
+
     np_state = np.random.get_state(legacy=False)
     return {"torch": torch.get_rng_state(),
             "numpy": {"bit_generator": np_state["bit_generator"], "pos": np_state["state"]["pos"],
@@ -62,6 +67,8 @@ def rng_state() -> dict:
 
 
 def set_rng_state(s: dict) -> None:
+    import torch
+
     torch.set_rng_state(s["torch"])
     n = s["numpy"]
     if isinstance(n, dict):
@@ -282,6 +289,8 @@ class RunDir:
         A failed write (a full disk) removes the temp folder and leaves `latest` where it was. An existing
         checkpoint is never replaced: readers rely on it, and a resume continues past the newest one.
         """
+        import torch
+
         final = self.root / "checkpoints" / f"step-{step:06d}"
         if final.exists():
             raise CheckpointError(f"checkpoint {final} already exists, and a run never overwrites its checkpoints",
@@ -333,6 +342,8 @@ _LEGACY_NUMPY = [np.dtype, np.dtypes.UInt32DType, np.ndarray,
 
 
 def load_trainer_state(ckpt: Path) -> dict:
+    import torch
+
     path = ckpt / "trainer_state.pt"
     if not path.exists():
         raise InputError(f"checkpoint {ckpt} has no trainer_state.pt", "point at a checkpoint of `dspark train`")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Literal
@@ -17,6 +18,11 @@ from dspark.tracking.config import TrackingConfig
 # The run plans every epoch's batches up front (a list of sample ids each, for the schedule's step count):
 # more epochs than this is a typo, and 1e29 of them was a MemoryError.
 MAX_EPOCHS = 1000
+# speculators' loss names (speculators.losses.utils' loss maps) and DSpark Markov head types
+# (DSparkSpeculatorConfig.markov_head_type): kept here so that checking a setting imports neither speculators
+# nor torch; tests/test_startup.py holds them equal to speculators' own.
+LOSS_FNS = ("ce", "jsd", "kl_div", "lk_hybrid", "nla", "rkl", "tv")
+MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
 @dataclass
@@ -64,7 +70,7 @@ class TrainConfig:
     max_anchors: int = setting(512, "Blocks sampled per batch.", ge=1)
     dflash_decay_gamma: float = setting(4.0, "Loss decay over block positions.", gt=0)
     markov_rank: int = setting(256, "dspark only: 0 disables the Markov head.", ge=0)
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = setting("vanilla", "dspark only.")
+    markov_head_type: Literal[MARKOV_HEAD_TYPES] = setting("vanilla", "dspark only.")
     enable_confidence_head: bool = setting(True, "dspark only.")
     confidence_head_with_markov: bool = setting(True)
     confidence_head_alpha: float = setting(1.0, ge=0)
@@ -136,10 +142,8 @@ class TrainConfig:
             raise InputError(f"--scheduler-warmup-ratio {self.scheduler_warmup_ratio} leaves no steps after warm-up",
                              "use a fraction below 1, e.g. 0.03")
         KINDS[self.speculator_type].check(self)  # what the kind itself cannot do
-        from speculators.losses.utils import resolve_loss_config
-
         try:
-            resolve_loss_config(self.loss_fn, "eager")
+            check_loss_fn(self.loss_fn)
         except ValueError as e:
             raise InputError(f"--loss-fn {self.loss_fn!r}: {e}", 'e.g. --loss-fn \'{"ce": 0.1, "tv": 0.9}\'') from None
         return self
@@ -163,6 +167,26 @@ class TrainConfig:
         """The settings, other than result-neutral ones, in which `other` differs."""
         a, b = self.to_dict(), other.to_dict()
         return sorted(k for k in a if k not in RESULT_NEUTRAL and a[k] != b[k])
+
+
+def check_loss_fn(spec: str) -> None:
+    """What speculators' `resolve_loss_config` accepts (a loss name, or a non-empty JSON map of names to numeric
+    weights), checked against LOSS_FNS without importing it; ValueError in its words otherwise."""
+    if spec in LOSS_FNS:
+        return
+    try:
+        parsed = json.loads(spec)
+    except json.JSONDecodeError:
+        raise ValueError(f"Unknown loss function '{spec}'. Pass a known name ({sorted(LOSS_FNS)}) or a JSON dict, "
+                         'e.g. \'{"ce": 0.1, "tv": 0.9}\'.') from None
+    if not isinstance(parsed, dict) or not parsed:
+        raise ValueError("Loss config must be a non-empty JSON dict mapping loss names to weights, "
+                         f'e.g. \'{{"ce": 0.1, "tv": 0.9}}\'. Got: {spec}')
+    for name, weight in parsed.items():
+        if name not in LOSS_FNS:
+            raise ValueError(f"Unknown loss function '{name}' in loss config. Choose from: {sorted(LOSS_FNS)}")
+        if not isinstance(weight, (int, float)):
+            raise ValueError(f"Loss weight for '{name}' must be a number, got {type(weight).__name__}")
 
 
 # Top-level keys of `TrainConfig.to_dict()` a resume or replay may change.
