@@ -12,11 +12,16 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from dspark.verifier.toy import ToySpec, build_toy_verifier, demo_chat_path
+
+# Fixtures shared across files: the live services, and one vLLM engine per configuration.
+pytest_plugins = ["services", "vllm_engines"]
 
 LAYERS = [1, 3, 5]
 
@@ -30,8 +35,48 @@ def wait_for(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def run_cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
-    """Run `dspark` in a child process, as a user would."""
+@dataclass
+class Ran:
+    """What a `dspark` command left: its exit code and its two streams (a CompletedProcess's fields)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args, check=True, cwd=None, env=None, input=None) -> Ran:
+    """Run `dspark` in this process, through click as a user's shell would: its exit code, stdout and stderr.
+
+    One process for the whole suite: the CLI's imports are paid once, not per call (~7 s of CPU each). An
+    exception that escapes the CLI is written to stderr as Python writes it, so a test that says "no traceback"
+    still fails on one. `env` sets (a value None unsets) variables for the call; `cwd` is the call's folder.
+    """
+    from click.testing import CliRunner
+
+    from dspark.cli import main
+
+    argv = [str(a) for a in args]
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        result = CliRunner().invoke(main, argv, input=input, env=env, prog_name="dspark", catch_exceptions=True)
+    finally:
+        os.chdir(here)
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "Traceback (most recent call last):\n" + "".join(traceback.format_exception(*result.exc_info)[1:])
+    ran = Ran(["dspark", *argv], result.exit_code, result.stdout, stderr)
+    if check and ran.returncode != 0:
+        raise AssertionError(f"dspark {' '.join(argv)} failed ({ran.returncode}):\n{ran.stderr[-3000:]}")
+    return ran
+
+
+def run_process(*args, why: str, check=True, **kw) -> subprocess.CompletedProcess:
+    """Run `dspark` in a child process: only where the process is what a test is about (`why` says how: a
+    kill, a memory limit, signals, a server, a fresh interpreter's imports)."""
+    assert why.strip(), "say in one line why this test needs a child process"
     proc = subprocess.run([sys.executable, "-m", "dspark.cli", *map(str, args)],
                           capture_output=True, text=True, **kw)
     if check and proc.returncode != 0:

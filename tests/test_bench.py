@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import run_cli, write_jsonl
+from conftest import run_cli, run_process, write_jsonl
 
 from dspark.serving.bench import client
 from dspark.serving.bench.client import BenchError
@@ -523,8 +523,9 @@ DRAFTS = 'vllm:spec_decode_num_drafts_total{{engine="{}",model_name="toy"}} {}\n
 def test_a_hostile_server_is_one_line_before_any_request(path, fake, says, serve, sets, verifier, tmp_path):
     fake = serve(**fake)
     start = time.monotonic()
-    proc = run_cli(*bench_args(fake.url, verifier, tmp_path / "out", sets["humaneval"], request_timeout="1"),
-                   check=False, preexec_fn=_at_most_1_5_gib, timeout=60)
+    proc = run_process(*bench_args(fake.url, verifier, tmp_path / "out", sets["humaneval"], request_timeout="1"),
+                       why="a memory cap holds for a whole process", check=False, preexec_fn=_at_most_1_5_gib,
+                       timeout=60)
     assert time.monotonic() - start < LORIS_SECONDS - 1
     assert proc.returncode == 2
     line = one_line(proc.stderr, "error:")

@@ -11,7 +11,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from conftest import LAYERS, run_cli
+from conftest import LAYERS, run_cli, run_process
 from dspark.cli import main
 from dspark.connector.config import MooncakeConfig
 from dspark.extract.config import ServeLimits
@@ -184,8 +184,8 @@ def test_a_yaml_alias_bomb_in_a_config_file_is_refused_unexpanded(tmp_path):
     levels += [f"  - &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
     path = tmp_path / "bomb.yaml"
     path.write_text("target_layer_ids:\n" + "\n".join(levels) + "\n")
-    proc = run_cli("train", "--config", path, *REQUIRED[:6], "--print-config", check=False,
-                   preexec_fn=_at_most_1_5_gib, timeout=60)
+    proc = run_process("train", "--config", path, *REQUIRED[:6], "--print-config", check=False,
+                       why="a memory cap holds for a whole process", preexec_fn=_at_most_1_5_gib, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.startswith(f"error: config file {path} uses a YAML alias (*l0, line 3)"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import LAYERS, run_cli
+from conftest import LAYERS, run_cli, run_process
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.decode.verifier import Verifier
@@ -86,8 +86,9 @@ def test_extract_with_a_verifier_of_100000_layers_is_one_line_before_anything_is
                                                                                            tmp_path):
     model = _verifier_with(verifier, tmp_path / "verifier", num_hidden_layers=100000, layer_types=None)
     # 4 GiB of address space: a tiny extraction needs under 3, building the model fails loudly
-    proc = run_cli("extract", "--model", model, "--data", prepared, "--store", tmp_path / "s", "--target-layer-ids",
-                   1, "--no-progress", check=False, timeout=120, preexec_fn=_address_space(4 << 30))
+    proc = run_process("extract", "--model", model, "--data", prepared, "--store", tmp_path / "s",
+                       "--target-layer-ids", 1, "--no-progress", why="a memory cap holds for a whole process",
+                       check=False, timeout=120, preexec_fn=_address_space(4 << 30))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"error: {model / 'config.json'}: num_hidden_layers 100000, but model.safetensors holds layers 0..5 only "
         "(fix: correct config.json to match the model's weights, or download the model folder again)"]
@@ -180,15 +181,18 @@ def _records(root) -> int:
 
 
 def _extract_cmd(verifier, prepared, root):
+    """The session store's extraction (conftest's `store`: --batch-tokens 1024), in chunks of 64 tokens so kills land
+    between a sample's chunks."""
     return [sys.executable, "-m", "dspark.cli", "extract", "--model", str(verifier), "--data", str(prepared),
-            "--store", str(root), "--target-layer-ids", *map(str, LAYERS), "--batch-tokens", "512",
+            "--store", str(root), "--target-layer-ids", *map(str, LAYERS), "--batch-tokens", "1024",
             "--chunk-tokens", "64", "--no-progress"]
 
 
 @pytest.mark.slow
-def test_kill_9_at_several_points_then_resume_is_byte_identical(verifier, prepared, tmp_path):
-    reference = tmp_path / "reference"
-    subprocess.run(_extract_cmd(verifier, prepared, reference), check=True, capture_output=True)
+def test_kill_9_at_several_points_then_resume_is_byte_identical(verifier, prepared, store, tmp_path):
+    """The uninterrupted reference is the session's store; each killed extract is a child process (kill -9 is the
+    claim)."""
+    reference = store
     total = len(PreparedData(prepared))
     root = tmp_path / "killed"
     for kill_at in (0, total // 4, total // 2, 3 * total // 4):
@@ -200,8 +204,7 @@ def test_kill_9_at_several_points_then_resume_is_byte_identical(verifier, prepar
         proc.wait()
         assert run_cli("store", "verify", root, "--no-progress").returncode == 0
     assert len(ZarrStore(root)) < total  # the kills really landed mid-run
-    out = run_cli("extract", "--model", verifier, "--data", prepared, "--store", root, "--target-layer-ids",
-                  *LAYERS, "--batch-tokens", 512, "--chunk-tokens", 64, "--no-progress").stdout
+    out = run_cli(*_extract_cmd(verifier, prepared, root)[3:]).stdout
     assert '"already_present"' in out
     assert run_cli("store", "verify", root, "--no-progress").returncode == 0
     a, b = ZarrStore(reference), ZarrStore(root)

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import LAYERS, hf_cache_model, run_cli
+from conftest import LAYERS, hf_cache_model, run_process
 from dspark.verifier.resolved import Verifier
 from dspark.connector.manifest import default_store, manifest_for_model
 from dspark.core.errors import InputError
@@ -35,6 +35,9 @@ def test_model_name_of_a_snapshot_is_the_repos(tmp_path):
     assert default_store(snapshot, [1, 3], "abcdef0123456789") == "cache/stores/Kimi-K3-L1-3-abcdef012345"
 
 
+HF_HOME_AT_START = "HF_HOME is read where a process starts (huggingface_hub's constants), as the user's shell sets it"
+
+
 @pytest.fixture
 def cached(verifier, tmp_path, monkeypatch):
     """The toy verifier in a Hugging Face cache as `Org/tiny`, HF_HOME pointing there (for the CLI's children)."""
@@ -44,10 +47,11 @@ def cached(verifier, tmp_path, monkeypatch):
 
 
 def test_prepare_with_a_hub_id_equals_prepare_with_its_folder(cached, verifier, chat_file, prepared, tmp_path):
-    run_cli("prepare", "--model", cached, "--data", chat_file, "--output", tmp_path / "p", "--seq-length", "256",
-            "--minimum-valid-tokens", "8")
+    run_process("prepare", "--model", cached, "--data", chat_file, "--output", tmp_path / "p", "--seq-length", "256",
+                "--minimum-valid-tokens", "8", why=HF_HOME_AT_START)
     assert PreparedData(tmp_path / "p").fingerprint == PreparedData(prepared).fingerprint
-    proc = run_cli("prepare", "--model", "Org/absent", "--data", chat_file, "--output", tmp_path / "q", check=False)
+    proc = run_process("prepare", "--model", "Org/absent", "--data", chat_file, "--output", tmp_path / "q",
+                       why=HF_HOME_AT_START, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: Org/absent is neither a local folder nor a model in the Hugging Face cache")
 
@@ -58,8 +62,8 @@ def test_train_with_a_hub_id_meets_the_store_its_folder_wrote(cached, verifier, 
     identity = manifest_for_model(Verifier.resolve(verifier), LAYERS, "f", encoding="raw").model_dump()
     assert manifest_for_model(Verifier.resolve(snapshot), LAYERS, "f", encoding="raw").model_dump() == identity
     assert default_store(snapshot, LAYERS, "f" * 12) == default_store(verifier, LAYERS, "f" * 12)
-    out = run_cli("train", "--verifier-name-or-path", cached, "--store", store, "--data-path", prepared,
-                  "--save-path", tmp_path / "run", "--target-layer-ids", *LAYERS, "--max-steps", "1",
-                  "--total-seq-len", "512", "--max-anchors", "16", "--markov-rank", "8", "--no-progress",
-                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = run_process("train", "--verifier-name-or-path", cached, "--store", store, "--data-path", prepared,
+                      "--save-path", tmp_path / "run", "--target-layer-ids", *LAYERS, "--max-steps", "1",
+                      "--total-seq-len", "512", "--max-anchors", "16", "--markov-rank", "8", "--no-progress",
+                      why=HF_HOME_AT_START, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert json.loads(out.stdout)["steps"] == 1

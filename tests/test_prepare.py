@@ -338,10 +338,11 @@ def test_an_edited_offsets_file_is_refused_naming_it(prepared, tmp_path, case):
         PreparedData(out)
 
 
+@pytest.mark.timeout(120)
 def test_extract_stops_at_once_on_offsets_beyond_the_tokens(verifier, prepared, tmp_path):
     out = _copy_with(prepared, tmp_path / "p", "offsets.npy", EDITED_OFFSETS["beyond_the_tokens"][0])
     line = _one_error_line(run_cli("extract", "--model", verifier, "--data", out, "--store", tmp_path / "s",
-                                   "--target-layer-ids", 1, "--no-progress", check=False, timeout=120))
+                                   "--target-layer-ids", 1, "--no-progress", check=False))
     assert f"{out / 'offsets.npy'} ends at token 1000000000000" in line and not (tmp_path / "s").exists()
 
 

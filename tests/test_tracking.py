@@ -255,11 +255,11 @@ def test_a_step_half_logged_before_a_kill_is_completed_not_repeated(trackio_dir,
         assert_series_equal(got, want, REL[name], what=name)
 
 
-def test_a_tracker_that_is_not_installed_is_one_line_naming_the_install(store, prepared, verifier, tmp_path):
-    hide = "import sys; sys.modules['mlflow'] = None; from dspark.cli import main; main()"  # import mlflow fails
-    proc = subprocess.run([sys.executable, "-c", hide, *map(str, train_argv(store, prepared, verifier, tmp_path / "r",
-                                                                            "--logger", "tensorboard,mlflow"))],
-                          capture_output=True, text=True)
+def test_a_tracker_that_is_not_installed_is_one_line_naming_the_install(store, prepared, verifier, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # import mlflow fails, as where it is not installed
+    proc = run_cli(*train_argv(store, prepared, verifier, tmp_path / "r", "--logger", "tensorboard,mlflow"),
+                   check=False)
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == [
         "error: --logger mlflow: the mlflow package is not installed (fix: pip install 'dspark[mlflow]' (or drop "

@@ -254,22 +254,16 @@ def test_partial_store_is_refused_with_the_fix(reference_run, store, tmp_path):
         Trainer(replace(c, store=str(partial), save_path=str(tmp_path / "r")), progress=False)
 
 
-@pytest.mark.slow
-def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared, verifier, tmp_path):
+def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(reference_run, store, prepared, verifier, tmp_path):
+    """The uninterrupted run is the session's reference run (the same settings as these flags); the killed one is a
+    child process, because kill -9 is the claim."""
     import signal
     import time
 
-    def cmd(save):
-        return [sys.executable, "-m", "dspark.cli", "train", "--store", store, "--data-path", prepared,
-                "--verifier-name-or-path", verifier, "--save-path", save, "--target-layer-ids", *map(str, LAYERS),
-                "--max-anchors", "32", "--markov-rank", "16", "--total-seq-len", "512", "--epochs", "2",
-                "--checkpoint-freq", "0.25", "--log-freq", "1", "--lr", "3e-3", "--no-progress", "--device", "cpu"]
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd(tmp_path / "ref"), check=True, capture_output=True, env=env)
-    reference = MetricLog(tmp_path / "ref" / "metrics.jsonl").read()
+    _, reference = reference_run
     run = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(run), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "dspark.cli", *map(str, train_argv(store, prepared, verifier, run))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
     def logged_past_checkpoint() -> bool:
         latest = run / "latest"
@@ -284,7 +278,7 @@ def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(store, prepared
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert len(MetricLog(run / "metrics.jsonl").read()) < len(reference)
-    resumed = subprocess.run(cmd(run), capture_output=True, text=True, env=env)
+    resumed = run_cli(*train_argv(store, prepared, verifier, run), check=False)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr
     assert [r["metrics"] for r in MetricLog(run / "metrics.jsonl").read()] == \
            [r["metrics"] for r in reference]

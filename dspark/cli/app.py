@@ -62,6 +62,12 @@ def main():
                        ("TRANSFORMERS_VERBOSITY", "error"), ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
                        ("HF_HUB_OFFLINE", "1")):  # offline-first: models are local folders
         os.environ.setdefault(key, value)
+    if "transformers" in sys.modules:  # read those at its import: a caller that imported it first gets them now
+        from transformers.utils import logging as hf_logging
+
+        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] not in ("", "0"):
+            hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity(hf_logging.log_levels.get(os.environ["TRANSFORMERS_VERBOSITY"], hf_logging.ERROR))
 
 
 def command(group: click.Group, name: str, *classes, config_file=None):
