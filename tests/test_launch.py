@@ -3,17 +3,21 @@
 vLLM itself never runs here: a tiny http.server script stands in for the server process.
 """
 
+import contextlib
+import io
 import json
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
-from conftest import hf_cache_model, wait_for
+from conftest import Ran, hf_cache_model, run_cli, run_process, wait_for
 from dspark import vllm_server
 from dspark.connector.config import SinkConfig
 from dspark.deployment import SECTIONS
@@ -38,11 +42,32 @@ def model(tmp_path) -> Path:
     return tmp_path / "model"
 
 
-def _launch(entry: list[str], *args, env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}  # no GPU whatever the box: fixed env addition
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    return subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=ROOT)
+def _launch(entry: list[str], *args, env: dict | None = None, why: str | None = None) -> Ran:
+    """The launcher's plan (`--print-only` starts nothing), on a box without a GPU, through either entry point:
+    in this process, or with `why` in a child (an environment read where a process starts)."""
+    env = {"CUDA_VISIBLE_DEVICES": "", "VLLM_CPU_KVCACHE_SPACE": None, **(env or {})}
+    if why:
+        child = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+        if entry == ["scripts/launch_vllm.py"]:
+            assert why.strip()
+            proc = subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True,
+                                  env=child, cwd=ROOT)
+            return Ran(proc.args, proc.returncode, proc.stdout, proc.stderr)
+        proc = run_process(*entry[2:], *args, why=why, check=False, env=child, cwd=ROOT)
+        return Ran(proc.args, proc.returncode, proc.stdout, proc.stderr)
+    if entry != ["scripts/launch_vllm.py"]:
+        return run_cli(*entry[2:], *args, check=False, env=env, cwd=ROOT)
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv = [str(ROOT / entry[0]), *map(str, args)]
+    with mock.patch.dict(os.environ), mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        for key, value in env.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        try:
+            runpy.run_path(str(ROOT / entry[0]), run_name="__main__")  # the script as `python SCRIPT` runs it
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return Ran([*entry, *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.parametrize("entry, backend", [(["scripts/launch_vllm.py"], "mooncake"),
@@ -159,18 +184,21 @@ def test_both_entry_points_read_the_shipped_deployment_file(model, entry):
     assert plan["command"][-3:] == ["--enforce-eager", "--max-model-len", "1024"]
 
 
+HF_HOME_AT_START = "HF_HOME is read where a process starts (huggingface_hub's constants), as vLLM's shell sets it"
+
+
 def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path):
     """Not a folder: its config.json comes from HF_HOME's cache, or vLLM's --download-dir; only when
     neither holds it is --num-hidden-layers asked for, in one line."""
     env = {"HF_HOME": str(tmp_path / "hf")}
     proc = _launch(["-m", "dspark.cli", "launch-vllm"], "Org/Model", "--target-layer-ids", "1", "--print-only",
-                   env=env)
+                   env=env, why=HF_HOME_AT_START)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("error: Org/Model is neither a local folder nor a model in the Hugging Face "
                                   f"cache at {tmp_path / 'hf' / 'hub'}, so its layer count is unknown")
     assert "--num-hidden-layers" in proc.stderr
     ok = _launch(["scripts/launch_vllm.py"], "Org/Model", "--target-layer-ids", "1,3", "--num-hidden-layers", "6",
-                 "--print-only", env=env)
+                 "--print-only", env=env, why=HF_HOME_AT_START)
     assert json.loads(ok.stdout)["speculative_config"]["draft_model_config"]["hf_config"] == {
         "eagle_aux_hidden_state_layer_ids": [1, 3, 6]}
 
@@ -178,7 +206,7 @@ def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path)
     hf_cache_model(tmp_path / "downloads" / "x", "Org/Model", config={"num_hidden_layers": 7})
     for extra, last in (([], 12), (["--", "--download-dir", tmp_path / "downloads" / "x" / "hub"], 7)):
         proc = _launch(["scripts/launch_vllm.py"], "Org/Model", "--target-layer-ids", "1,3", "--print-only", *extra,
-                       env=env)
+                       env=env, why=HF_HOME_AT_START)
         assert proc.returncode == 0, proc.stderr
         layers = json.loads(proc.stdout)["speculative_config"]["draft_model_config"]["hf_config"]
         assert layers == {"eagle_aux_hidden_state_layer_ids": [1, 3, last]}
