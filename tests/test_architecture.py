@@ -226,6 +226,7 @@ def test_no_private_name_is_used_outside_its_module():
 def test_choosing_the_transformers_engine_imports_neither_the_vllm_engine_nor_vllm():
     code = ("import sys; from dspark.extract.base import engine_class; engine_class('transformers'); "
             "print([m for m in ('dspark.extract.vllm_engine', 'vllm') if m in sys.modules])")
+    # a child: what a fresh interpreter imports is the claim
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -22,6 +22,7 @@ def step_env(cache: Path, **extra: str) -> dict:
             "DSPARK_CONFIG": str(ROOT / "configs" / "cpu.yaml"), **extra}
 
 
+# The compose step script (bash) runs as compose runs it: a child process, with the environment compose sets.
 def healthy(url: str, env: dict) -> bool:
     return subprocess.run([str(STEP), "health", url], env=env, capture_output=True).returncode == 0
 

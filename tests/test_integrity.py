@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import LAYERS, run_cli, train_cfg
+from conftest import LAYERS, run_cli, run_process, train_cfg
 from dspark.verifier.resolved import Verifier
 from dspark.connector.zarr.format import INDEX_RECORD
 from dspark.connector.zarr.reader import ZarrStore
@@ -69,8 +69,8 @@ def replace_with(path: Path, kind: str) -> None:
 def run_bounded(*args, gib: float = 1.5, timeout: float = 300):
     """`dspark` in a child process that may map at most `gib` GiB: a read that is not bounded fails fast."""
     limit = int(gib * 2**30)
-    return run_cli(*args, check=False, timeout=timeout,
-                   preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
+    return run_process(*args, why="a memory limit holds for a whole process", check=False, timeout=timeout,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)))
 
 
 # --- the store: index records and chunks --------------------------------------------------------

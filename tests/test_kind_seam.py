@@ -112,6 +112,7 @@ def test_loading_every_kind_and_the_train_settings_imports_neither_torch_nor_spe
             "from dspark.train.config import TrainConfig; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'speculators') "
             "or m.startswith(('dspark.decode', 'dspark.eval', 'dspark.export', 'dspark.serving'))))")
+    # a child: what a fresh interpreter imports is the claim
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -28,6 +28,8 @@ def http_server():
 
 
 def net(*args) -> subprocess.CompletedProcess:
+    """`python -m dspark.core.net` in a child: the module is run as compose's and Slurm's scripts run it, and it
+    imports nothing heavy (no torch), so a child costs a fraction of a second."""
     return subprocess.run([sys.executable, "-m", "dspark.core.net", *args], capture_output=True, text=True, timeout=60)
 
 

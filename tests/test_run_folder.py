@@ -57,6 +57,7 @@ def test_two_identical_trains_at_once_one_is_refused_and_every_step_is_logged_on
     _, reference = reference_run
     run = tmp_path / "run"
     argv = [sys.executable, "-m", "dspark.cli", *map(str, train_argv(store, prepared, verifier, run))]
+    # a child: it is stopped (SIGSTOP) mid-run while this process starts the second
     first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: (run / "config.json").exists() or first.poll() is not None, 120, "the first run to start")
@@ -74,6 +75,7 @@ def test_two_identical_trains_at_once_one_is_refused_and_every_step_is_logged_on
 
 def test_a_killed_holder_leaves_no_stale_lock(tmp_path):
     run = tmp_path / "run"
+    # a child: the lock's holder is killed, and only a process's death frees an flock
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dspark.train.checkpoint import RunDir; "
                                "RunDir(sys.argv[1]).lock(); print('locked', flush=True); time.sleep(600)", str(run)],
                               stdout=subprocess.PIPE, text=True)

@@ -73,14 +73,14 @@ def test_the_connector_and_settings_import_without_click_or_the_cli():
         "from dspark.connector.registry import SINKS, SOURCES\n"
         "assert sorted(SINKS) == ['mooncake', 'zarr'] and sorted(SOURCES) == ['mooncake', 'zarr']\n"
         "assert not any(m.startswith('dspark.cli') for m in sys.modules), sorted(sys.modules)\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)  # a child: a fresh interpreter's imports
 
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (scripts/setup.sh --vllm)")
 def test_the_vllm_connector_loads_without_click():
     """What a vLLM worker imports when it loads our connector by module path."""
     code = BLOCK_CLICK + "import dspark.connector.vllm\nassert 'dspark.cli' not in sys.modules\n"
-    subprocess.run([str(VLLM_PY), "-c", code], check=True, cwd=ROOT, capture_output=True)
+    subprocess.run([str(VLLM_PY), "-c", code], check=True, cwd=ROOT, capture_output=True)  # vLLM's interpreter
 
 
 def test_reading_a_setting_loads_no_backend():
@@ -88,7 +88,7 @@ def test_reading_a_setting_loads_no_backend():
     code = ("import sys, dspark.cli\nassert 'torch' not in sys.modules, 'dspark --help must not load torch'\n"
             "import dspark.connector.base\n"
             "assert 'dspark.connector.zarr.reader' not in sys.modules and 'zarr' not in sys.modules\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)  # a child: a fresh interpreter's imports
 
 
 def test_the_vllm_launchers_flags_are_launchconfigs_settings(tmp_path):

@@ -205,7 +205,7 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     argv = [sys.executable, "-m", "dspark.cli",
             *map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
                                  "--logger", ALL))]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # a child: kill -9 is the claim
 
     def checkpoint_step() -> int:
         return int((run / "latest").resolve().name.split("-")[1])
@@ -226,7 +226,7 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert max(s for s, _ in mlflow_series(run)["train/loss"]) > checkpoint_step()
-    resumed = subprocess.run(argv, capture_output=True, text=True)
+    resumed = run_cli(*argv[3:], check=False)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-2000:]
     want = expected(run)
     assert len(want["train/loss"]) == max(s for s, _ in want["train/loss"])  # every step, from 1

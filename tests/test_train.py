@@ -230,7 +230,7 @@ def test_every_kinds_step_gives_each_trainable_weight_a_gradient(kind, reference
 
 @pytest.mark.slow
 def test_two_process_gloo_run_trains(store, prepared, verifier, tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # children: two ranks are two processes
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
          "-m", "dspark.cli", "train", "--store", store, "--data-path", prepared, "--verifier-name-or-path", verifier,
