@@ -352,49 +352,41 @@ def test_extract_resume_re_extracts_lost_chunks_and_says_so(store, prepared, ver
 
 # --- the live cache: a damaged cached sample is fetched again -----------------------------------
 
-def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifier, prepared):
-    pytest.importorskip("mooncake.store", reason="install the mooncake extra")
-    import signal
-
+def test_a_damaged_cached_sample_is_fetched_again_and_replaced(tmp_path, verifier, prepared, live_master, live_serve):
+    """On the session's master and `dspark serve`: this test's cache is its own, so each miss is its own request."""
     from dspark.connector.registry import SOURCES
     from dspark.connector.live import LiveConfig
     from dspark.connector.manifest import manifest_for_model
     from dspark.connector.config import MooncakeConfig
-    from test_live import start_extractor, start_master, stop
 
-    master_proc, master = start_master(tmp_path)
-    serve_proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve")
-    try:
-        data = PreparedData(prepared)
-        live = LiveConfig(endpoint=url, request_timeout=10, max_retries=0,
-                          mooncake=MooncakeConfig(master=master, global_segment_gib=0.0625, local_buffer_gib=0.0625))
+    master, url = live_master.up(), live_serve.up()
+    data = PreparedData(prepared)
+    live = LiveConfig(endpoint=url, request_timeout=10, max_retries=0,
+                      mooncake=MooncakeConfig(master=master, global_segment_gib=0.0625, local_buffer_gib=0.0625))
 
-        def source():
-            return SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(
-                Verifier.resolve(verifier), LAYERS, data.fingerprint, encoding="raw"), prompts=data, live=live)
+    def source():
+        return SOURCES["mooncake"](store=tmp_path / "cache", manifest=manifest_for_model(
+            Verifier.resolve(verifier), LAYERS, data.fingerprint, encoding="raw"), prompts=data, live=live)
 
-        first = source()
-        originals = {i: first.read(i) for i in range(3)}
-        first.close()
-        cache = tmp_path / "cache"
-        s, seg = ZarrStore(cache), segment(cache)
-        chunks = [s.entry(i).start // s.manifest.chunk_tokens for i in range(3)]  # one chunk each (flushed)
-        flip(chunk_file(cache, seg, chunks[0]))
-        chunk_file(cache, seg, chunks[1]).unlink()
-        truncate(chunk_file(cache, seg, chunks[2]))
-        assert all(ZarrStore(cache).damaged(i) for i in range(3))
-        second = source()
-        for i in range(3):
-            got = second.read(i)
-            assert torch.equal(got.hidden_states.view(torch.int16), originals[i].hidden_states.view(torch.int16))
-        assert second.stats["damaged_refetched"] == 3 and second.stats["generated"] == 3
-        assert second.read(0) is not None and second.stats["damaged_refetched"] == 3  # replaced for good
-        second.close()
-        assert all(ZarrStore(cache).damaged(i) is None for i in range(3))
-        assert run_cli("store", "verify", cache, "--no-progress").returncode == 0
-    finally:
-        stop(serve_proc, signal.SIGTERM)
-        stop(master_proc)
+    first = source()
+    originals = {i: first.read(i) for i in range(3)}
+    first.close()
+    cache = tmp_path / "cache"
+    s, seg = ZarrStore(cache), segment(cache)
+    chunks = [s.entry(i).start // s.manifest.chunk_tokens for i in range(3)]  # one chunk each (flushed)
+    flip(chunk_file(cache, seg, chunks[0]))
+    chunk_file(cache, seg, chunks[1]).unlink()
+    truncate(chunk_file(cache, seg, chunks[2]))
+    assert all(ZarrStore(cache).damaged(i) for i in range(3))
+    second = source()
+    for i in range(3):
+        got = second.read(i)
+        assert torch.equal(got.hidden_states.view(torch.int16), originals[i].hidden_states.view(torch.int16))
+    assert second.stats["damaged_refetched"] == 3 and second.stats["generated"] == 3
+    assert second.read(0) is not None and second.stats["damaged_refetched"] == 3  # replaced for good
+    second.close()
+    assert all(ZarrStore(cache).damaged(i) is None for i in range(3))
+    assert run_cli("store", "verify", cache, "--no-progress").returncode == 0
 
 
 # --- the verifier's weights are part of the store's identity ------------------------------------

@@ -8,15 +8,16 @@ import subprocess
 import sys
 import time
 import urllib.parse
-import urllib.request
+import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
+# The live-service helpers (test_card, test_contract and test_integrity import them from here too).
+from services import VLLM_PY, Service, _port_open, small_cfg, start_extractor, start_master, stop  # noqa: F401
 from dspark.verifier.resolved import Verifier
 from dspark.connector.base import Sample
 from dspark.connector.registry import SOURCES
@@ -37,81 +38,16 @@ pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip in
 GIB = 1 << 30
 
 
-def _port_open(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def start_master(tmp_path, port=None):
-    port = port or free_port("127.0.0.1")
-    log = open(tmp_path / f"master-{port}.log", "w")
-    # `dspark mooncake-master` becomes the master (exec): the pid is the server's, as in compose and Slurm.
-    proc = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "mooncake-master", "--port", str(port),
-                             "--metrics-port", str(free_port("127.0.0.1")), "--rpc-threads", "4"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_for(lambda: _port_open(port), 20, "mooncake_master")
-    return proc, f"127.0.0.1:{port}"
-
-
-def stop(proc, sig=signal.SIGKILL):
-    """Kill the process group; SIGTERM lets the vLLM launcher take its server (own group) down with it."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, sig)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture
-def master(tmp_path):
-    proc, addr = start_master(tmp_path)
-    yield addr
-    stop(proc)
-
-
-VLLM_PY = Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"
-
-
-def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25, port=None):
-    """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
-    port = port or free_port("127.0.0.1")
-    common = ["--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
-              "--target-layer-ids", *map(str, LAYERS)]
-    if engine == "serve":
-        argv = [sys.executable, "-m", "dspark.cli", "serve", "--model", verifier, "--port", str(port), *common,
-                "--mooncake-global-segment-gib", str(serve_segment_gib), "--data", prepared]
-    else:  # the producer mounts no memory (the trainer does), so stopping it loses nothing
-        assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
-        argv = [str(VLLM_PY), "scripts/launch_vllm.py", str(verifier), *common, "--mooncake-global-segment-gib", "0",
-                "--", "--port", str(port), "--enforce-eager", "--max-model-len", "1024"]
-    log = open(tmp_path / f"{engine}-{port}.log", "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[1])
-
-    def healthy():
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
-        except OSError:
-            assert proc.poll() is None, (tmp_path / f"{engine}-{port}.log").read_text()[-3000:]
-            return False
-
-    wait_for(healthy, 300, engine)
-    return proc, f"http://127.0.0.1:{port}/v1"
+def master(live_master):
+    """The session's Mooncake master (services.py): each test here writes keys of its own, see `manifest`."""
+    return live_master.up()
 
 
 @pytest.fixture(params=["serve", "vllm"])
-def served(request, tmp_path, verifier, prepared, master):
-    proc, url = start_extractor(tmp_path, verifier, prepared, master, request.param)
-    yield url
-    stop(proc, signal.SIGTERM)
-
-
-def small_cfg(mb: float = 256) -> MooncakeConfig:
-    return MooncakeConfig(global_segment_gib=mb / 1024, local_buffer_gib=mb / 1024)
+def served(request):
+    """The session's extractor of each engine, on the session master: one start each, however many tests read."""
+    return request.getfixturevalue({"serve": "live_serve", "vllm": "live_vllm"}[request.param]).up()
 
 
 LIVE_KEYS = {"on_missing", "on_generate", "request_timeout", "max_retries", "generation_validation_retries",
@@ -127,6 +63,7 @@ def live_cfg(store, prepared, verifier, save, master, endpoint=None, **kw):
 
 @pytest.mark.slow
 def test_live_training_matches_zarr_training_and_caches_everything(tmp_path, verifier, prepared, master, served):
+    """Shares the session's master and extractor; slow as its claim is: a live training, a Zarr one, a replay."""
     cache = tmp_path / "cache"
     c = live_cfg(cache, prepared, verifier, tmp_path / "live", master, served, on_generate="delete")
     live = fit(c)
@@ -149,34 +86,52 @@ def live_source(cache, verifier, prepared, master, endpoint, **live):
     return data, SOURCES["mooncake"](store=cache, manifest=manifest, prompts=data, live=cfg)
 
 
-def test_a_producer_that_mounts_no_memory_puts_into_the_trainers_at_once(tmp_path, verifier, prepared, master):
+@pytest.fixture(scope="module")
+def quiet(tmp_path_factory, verifier, prepared):
+    """A master of this module's own, on which no client but a test's live source mounts memory, and a
+    `dspark serve` on it that mounts none (its puts go to the trainer's segment, so stopping or killing it
+    loses nothing): one start each for the outage tests, which all leave the server running or dead."""
+    logs = tmp_path_factory.mktemp("quiet")
+    master_proc, master = start_master(logs)
+
+    def start():
+        return start_extractor(logs, verifier, prepared, master, "serve", serve_segment_gib=0)
+
+    server = Service(*start(), logs, start)
+    yield Service(master_proc, master, logs), server
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+    stop(server.proc, signal.SIGTERM)
+    stop(master_proc)
+
+
+@pytest.fixture
+def served_alone(quiet):
+    """(the quiet server's process, its URL, its master): started again if an earlier test killed it (the
+    dead-server test does), resumed if one left it stopped. Its keys need no namespace: every live source
+    here has a cache of its own, so it requests each sample it reads and the server replaces the object."""
+    master, server = quiet
+    yield server.proc, server.up(), master.up()
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+
+
+def test_a_producer_that_mounts_no_memory_puts_into_the_trainers_at_once(tmp_path, verifier, prepared,
+                                                                         served_alone):
     """The trainer mounts its segment before its first request: otherwise that put had nowhere to go
-    until a timeout (the first live read of a resumed Slurm job stalled for a minute)."""
-    proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0)
-    try:
-        data, source = live_source(tmp_path / "cache", verifier, prepared, master, url, request_timeout=10,
-                                   max_retries=0)
-        sample = source.read(0)
-        assert sample is not None and np.array_equal(sample.token_ids, data.token_ids(0))
-        assert (source.stats["generated"], source.stats["requests"], source.stats["failures"]) == (1, 1, 0)
-        source.close()
-    finally:
-        stop(proc, signal.SIGTERM)
+    until a timeout (the first live read of a resumed Slurm job stalled for a minute). The quiet master:
+    on the session's, another client's segment would take the put and hide a trainer that mounts late."""
+    _, url, master = served_alone
+    data, source = live_source(tmp_path / "cache", verifier, prepared, master, url, request_timeout=10,
+                               max_retries=0)
+    sample = source.read(0)
+    assert sample is not None and np.array_equal(sample.token_ids, data.token_ids(0))
+    assert (source.stats["generated"], source.stats["requests"], source.stats["failures"]) == (1, 1, 0)
+    source.close()
 
 
 STALL = 2.0  # --stall-timeout of the hung-server tests
 SLACK = 3.0  # what a loaded 2-core machine may add to a bound
-
-
-@pytest.fixture
-def served_alone(tmp_path, verifier, prepared, master):
-    """A `dspark serve` process of its own that mounts no memory (its puts go to the trainer's segment, so
-    stopping or killing it loses nothing); resumed if a test left it stopped, then terminated."""
-    proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0)
-    yield proc, url
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGCONT)
-    stop(proc, signal.SIGTERM)
 
 
 def _warnings(caplog) -> str:
@@ -184,10 +139,10 @@ def _warnings(caplog) -> str:
 
 
 def test_a_hung_server_degrades_the_live_source_within_the_stall_timeout_and_reads_resume_when_it_answers(
-        tmp_path, verifier, prepared, master, served_alone, caplog):
+        tmp_path, verifier, prepared, served_alone, caplog):
     """SIGSTOP: the kernel still accepts the server's connections, so only a liveness check tells a hung
     server from a slow one; a read must not wait out --request-timeout (and its retries) on it."""
-    proc, url = served_alone
+    proc, url, master = served_alone
     caplog.set_level(logging.WARNING, "dspark.live")
     _, source = live_source(tmp_path / "cache", verifier, prepared, master, url, request_timeout=60,
                             stall_timeout=STALL)
@@ -212,55 +167,18 @@ def test_a_hung_server_degrades_the_live_source_within_the_stall_timeout_and_rea
     assert source.stats["skipped"] >= 9
 
 
-def test_a_dead_server_is_waited_out_for_max_down_seconds_so_a_restart_resumes_live_reads(
-        tmp_path, verifier, prepared, master, served_alone, caplog):
-    """Failing fast, a dead server used up a count of failures in seconds; the budget is time."""
-    proc, url = served_alone
-    caplog.set_level(logging.WARNING, "dspark.live")
-    _, source = live_source(tmp_path / "cache", verifier, prepared, master, url, max_retries=1,
-                            max_consecutive_generation_failures=8, max_down_seconds=120)
-    try:
-        assert source.read(0) is not None
-        stop(proc)  # SIGKILL: its connections are refused
-        t = time.monotonic()
-        assert [source.read(i) for i in range(1, 31)] == [None] * 30  # far more misses than 8
-        assert time.monotonic() - t < SLACK
-        restarted, _ = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0,
-                                       port=urllib.parse.urlsplit(url).port)
-        try:
-            wait_for(lambda: source.read(31) is not None, 1 + SLACK, "live reads to resume after the restart")
-        finally:
-            stop(restarted)
-    finally:
-        source.close()
-    said = _warnings(caplog)
-    assert said.count("live source degraded") == 1 and "live source is back" in said
-    # Down past --max-down-seconds, the run stops in one line that names the setting.
-    _, short = live_source(tmp_path / "cache2", verifier, prepared, master, url, max_down_seconds=STALL)
-    said = r"the live source has been down for 2 s, more than --max-down-seconds 2 \(the extraction server at "
-    try:
-        t = time.monotonic()
-        with pytest.raises(LiveSourceDown, match=said + r"http://127.0.0.1:\d+/v1 does not answer its liveness"):
-            for i in range(10_000):
-                short.read(i)
-                time.sleep(0.01)
-        assert STALL <= time.monotonic() - t < STALL + SLACK
-    finally:
-        short.close()
-
-
 def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_ones_out(
-        tmp_path, verifier, prepared, master, served_alone, caplog):
+        tmp_path, verifier, prepared, served_alone, caplog):
     """The server hangs before the run starts and comes back once the run says so. The cache holds every
     sample but one of the first batch (skipped: the batch trains on the rest) and the whole second batch
     (no sample left: it waits for the server instead of being skipped). The skipped one is fetched in the
     next epoch, so the cache the replay reads holds it: the replay reproduces the run only by leaving it
-    out where the run did."""
+    out where the run did. Shares the quiet server (and resumes it); slow as its claim is: a run, two replays."""
     from dspark.replay import replay
     from dspark.train.config import ReplayConfig
     from dspark.train.data import TrainData
 
-    proc, url = served_alone
+    proc, url, master = served_alone
     c = live_cfg(tmp_path / "cache", prepared, verifier, tmp_path / "run", master, url, request_timeout=60,
                  stall_timeout=STALL)
     data, source = live_source(tmp_path / "cache", verifier, prepared, master, url)
@@ -303,6 +221,44 @@ def test_a_run_that_skipped_samples_records_them_and_its_replay_leaves_the_same_
     assert "the run skipped samples its live source could not deliver" in result["first_divergence"]
 
 
+def test_a_dead_server_is_waited_out_for_max_down_seconds_so_a_restart_resumes_live_reads(
+        tmp_path, verifier, prepared, served_alone, caplog):
+    """Failing fast, a dead server used up a count of failures in seconds; the budget is time. Kills the quiet
+    server (the next test to ask gets a fresh one) and starts one on its port: that restart is the claim."""
+    proc, url, master = served_alone
+    caplog.set_level(logging.WARNING, "dspark.live")
+    _, source = live_source(tmp_path / "cache", verifier, prepared, master, url, max_retries=1,
+                            max_consecutive_generation_failures=8, max_down_seconds=120)
+    try:
+        assert source.read(0) is not None
+        stop(proc)  # SIGKILL: its connections are refused
+        t = time.monotonic()
+        assert [source.read(i) for i in range(1, 31)] == [None] * 30  # far more misses than 8
+        assert time.monotonic() - t < SLACK
+        restarted, _ = start_extractor(tmp_path, verifier, prepared, master, "serve", serve_segment_gib=0,
+                                       port=urllib.parse.urlsplit(url).port)
+        try:
+            wait_for(lambda: source.read(31) is not None, 1 + SLACK, "live reads to resume after the restart")
+        finally:
+            stop(restarted)
+    finally:
+        source.close()
+    said = _warnings(caplog)
+    assert said.count("live source degraded") == 1 and "live source is back" in said
+    # Down past --max-down-seconds, the run stops in one line that names the setting.
+    _, short = live_source(tmp_path / "cache2", verifier, prepared, master, url, max_down_seconds=STALL)
+    said = r"the live source has been down for 2 s, more than --max-down-seconds 2 \(the extraction server at "
+    try:
+        t = time.monotonic()
+        with pytest.raises(LiveSourceDown, match=said + r"http://127.0.0.1:\d+/v1 does not answer its liveness"):
+            for i in range(10_000):
+                short.read(i)
+                time.sleep(0.01)
+        assert STALL <= time.monotonic() - t < STALL + SLACK
+    finally:
+        short.close()
+
+
 def test_producer_driven_tee_to_zarr_and_mooncake(tmp_path, verifier, prepared, master):
     store = tmp_path / "store"
     # The consumer contributes the memory; the producer mounts none, so what it
@@ -324,30 +280,36 @@ def test_producer_driven_tee_to_zarr_and_mooncake(tmp_path, verifier, prepared, 
     assert holder.samples_written == 0
 
 
-def _manifest() -> StoreManifest:
+def _manifest(prepared_fingerprint: str = "p") -> StoreManifest:
     return StoreManifest(verifier_name="t", verifier_config_hash="c", tokenizer_hash="t", target_layer_ids=[1],
                          num_hidden_layers=2, hidden_size=16, dtype="bfloat16", chunk_tokens=16,
-                         prepared_fingerprint="p")
+                         prepared_fingerprint=prepared_fingerprint)
+
+
+@pytest.fixture
+def manifest() -> StoreManifest:
+    """A store identity of the test's own: Mooncake keys are scoped by it, so tests sharing the master never meet."""
+    return _manifest(uuid.uuid4().hex)
 
 
 def _sample(i, n=12) -> Sample:
     return Sample(i, np.arange(n, dtype=np.int64), torch.randn(n, 2, 16).to(torch.bfloat16))
 
 
-def test_error_marker_fails_fast(master):
-    sink = MooncakeSink(_manifest(), replace(small_cfg(32), master=master))
-    sink.write_error(sample_key(_manifest(), 7), "CUDA out of memory")
-    reader = MooncakeReader(_manifest(), replace(small_cfg(32), master=master, global_segment_gib=0))
+def test_error_marker_fails_fast(master, manifest):
+    sink = MooncakeSink(manifest, replace(small_cfg(32), master=master))
+    sink.write_error(sample_key(manifest, 7), "CUDA out of memory")
+    reader = MooncakeReader(manifest, replace(small_cfg(32), master=master, global_segment_gib=0))
     t = time.monotonic()
     with pytest.raises(Exception, match="CUDA out of memory"):
         reader.get(7, timeout=30)
     assert time.monotonic() - t < 2
 
 
-def test_a_producer_that_mounts_memory_puts_into_its_own_segment(master):
+def test_a_producer_that_mounts_memory_puts_into_its_own_segment(master, manifest):
     """A local memcpy instead of a network transfer; the consumer's fetch is the one crossing (and the
     producer's back-pressure budget counts the segment its objects are actually in)."""
-    m = _manifest()
+    m = manifest
     others = [connect(replace(small_cfg(32), master=master)) for _ in range(3)]  # segments the master could pick
     sink = MooncakeSink(m, replace(small_cfg(32), master=master))
     reader = MooncakeReader(m, replace(small_cfg(32), master=master, global_segment_gib=0))
@@ -362,16 +324,16 @@ def test_a_producer_that_mounts_memory_puts_into_its_own_segment(master):
     del others
 
 
-def test_out_of_space_is_a_clear_error(master):
-    sink = MooncakeSink(_manifest(), replace(small_cfg(16), master=master, put_timeout=0.5))
+def test_out_of_space_is_a_clear_error(master, manifest):
+    sink = MooncakeSink(manifest, replace(small_cfg(16), master=master, put_timeout=0.5))
     with pytest.raises(MooncakeFull, match="--mooncake-global-segment-gib"):
         for i in range(10_000):
             sink.put(_sample(i, n=4096))  # 256 KiB each into a 16 MiB segment, nobody consuming
     assert 10 < sink.samples_written < 64
 
 
-def test_corrupted_objects_are_rejected(master):
-    m = _manifest()
+def test_corrupted_objects_are_rejected(master, manifest):
+    m = manifest
     sink = MooncakeSink(m, replace(small_cfg(32), master=master))
     reader = MooncakeReader(m, replace(small_cfg(32), master=master, global_segment_gib=0))
     good = _sample(1)
@@ -390,6 +352,7 @@ def test_corrupted_objects_are_rejected(master):
         MooncakeReader(other, replace(small_cfg(32), master=master, global_segment_gib=0)).get(1, transfer, timeout=2)
 
 
+@pytest.mark.timeout(120)  # the bound the trainer's child process had: refused at once, not after retries
 def test_unreachable_master_is_one_clear_line(verifier, prepared, tmp_path):
     with pytest.raises(MooncakeUnavailable, match="cannot reach the Mooncake master at 127.0.0.1:1"):
         connect(MooncakeConfig(master="127.0.0.1:1"))
@@ -398,13 +361,15 @@ def test_unreachable_master_is_one_clear_line(verifier, prepared, tmp_path):
     assert proc.returncode == 2 and "cannot reach the Mooncake master" in proc.stderr
     assert "Traceback" not in proc.stderr
     # The trainer says so before it trains (or waits on an endpoint that is away too), not after its retries.
-    train = _train_proc(tmp_path, verifier, prepared, "127.0.0.1:1", f"http://127.0.0.1:{free_port('127.0.0.1')}/v1")
-    out, err = train.communicate(timeout=120)
+    # In this process: nothing is killed under this run, so its exit code and stderr are the CLI's alone.
+    train = run_cli(*_train_args(tmp_path, verifier, prepared, "127.0.0.1:1",
+                                 f"http://127.0.0.1:{free_port('127.0.0.1')}/v1"), check=False)
+    out, err = train.stdout, train.stderr
     assert train.returncode == 2 and err.startswith("error: cannot reach the Mooncake master at 127.0.0.1:1"), err
 
 
-def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):
-    args = [sys.executable, "-m", "dspark.cli", "train", "--from", "mooncake", "--cache", tmp_path / "cache",
+def _train_args(tmp_path, verifier, prepared, master, endpoint, **flags) -> list[str]:
+    args = ["train", "--from", "mooncake", "--cache", tmp_path / "cache",
             "--data-path", prepared, "--verifier-name-or-path", verifier, "--save-path", tmp_path / "run",
             "--target-layer-ids", *map(str, LAYERS), "--max-anchors", "32", "--markov-rank", "16",
             "--total-seq-len", "512", "--epochs", "1", "--no-progress", "--mooncake-master", master,
@@ -412,7 +377,15 @@ def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):
             "--vllm-endpoint", endpoint]
     for k, v in flags.items():
         args += [f"--{k.replace('_', '-')}", str(v)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    return [str(a) for a in args]
+
+
+def _train_proc(tmp_path, verifier, prepared, master, endpoint, **flags):
+    """`dspark train` in a child process: the services it reads die under it while it runs, and its exit code
+    and stderr are the claim (in this process, the test could not kill a server while its run waits on it)."""
+    return subprocess.Popen([sys.executable, "-m", "dspark.cli", *_train_args(tmp_path, verifier, prepared, master,
+                                                                               endpoint, **flags)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -425,10 +398,18 @@ def _cached(tmp_path) -> int:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["serve", "master", "vllm"])
-def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, verifier, prepared, victim):
-    master_proc, master = start_master(tmp_path)
-    engine = "vllm" if victim == "vllm" else "serve"
-    serve_proc, url = start_extractor(tmp_path, verifier, prepared, master, engine)
+def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, verifier, prepared, victim, request):
+    """Slow as the claim is: a run in a process of its own (`_train_proc`) fetches 10 live samples, loses a
+    service and stops. The serve and vllm victims kill the session's extractor (the next test to ask for it
+    gets a fresh one); the master victim kills a master, so it has one of its own and a server on it."""
+    if victim == "master":
+        master_proc, master = start_master(tmp_path)
+        serve_proc, url = start_extractor(tmp_path, verifier, prepared, master, "serve")
+    else:  # the run's cache is its own, so it requests every sample it reads from the shared server
+        master_proc, master = None, request.getfixturevalue("master")
+        shared = request.getfixturevalue(f"live_{victim}")
+        url = shared.up()
+        serve_proc = shared.proc
     try:
         train = _train_proc(tmp_path, verifier, prepared, master, url, request_timeout=3, max_retries=1,
                             max_consecutive_generation_failures=3, max_down_seconds=5)
@@ -446,7 +427,8 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
         assert recorded["train"]["live"]["mooncake"]["local_hostname"] == "localhost"
     finally:
         stop(serve_proc, signal.SIGTERM)
-        stop(master_proc)
+        if master_proc is not None:
+            stop(master_proc)
 
 
 def test_an_object_that_vanished_is_named_as_such(master):
