@@ -14,11 +14,28 @@
 # runs under its own timeout, a failed one is recorded and the next one runs; summary.txt,
 # failures.txt and logs.tar.gz go to OUT (default cache/gpu-check). Exit status 1 if any failed.
 # --dry-run (or DSPARK_GPU_CHECK_DRY=1): on the CPU with .venv alone, what needs no vLLM 0.33 or
-# CUDA (the abort probe against `dspark serve`, the CPU stand-in); CI runs it (tests/test_gpu_check.py).
+# CUDA (the abort probe against `dspark serve`, the CPU stand-in); CI runs it (tests/test_gpu_check.py),
+# which checks the plumbing and so gives it its test session's inputs.
+# Inputs given instead of built (unset, as on a real run: built here). Each is linked into the work
+# folder, read and never written, and its step passes at once, saying `given: PATH`:
+#   DSPARK_GPU_CHECK_VERIFIER  a toy verifier folder (skips toy-verifier)
+#   DSPARK_GPU_CHECK_PREPARED  data prepared for it by `dspark prepare` (skips prepare; needs the verifier)
+#   DSPARK_GPU_CHECK_STORE     a Zarr store of that data's fp32 CPU states at layers 1 3 5 (skips
+#                              extract-fp32-cpu; needs the data)
+#   DSPARK_GPU_CHECK_RUN       a drafter trained on that store: a `dspark train` save path (skips train;
+#                              needs the store)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=${DSPARK_GPU_CHECK_DRY:-0}
 [ "${1:-}" != --dry-run ] || DRY=1
+GIVEN_VERIFIER=${DSPARK_GPU_CHECK_VERIFIER:-} GIVEN_PREPARED=${DSPARK_GPU_CHECK_PREPARED:-}
+GIVEN_STORE=${DSPARK_GPU_CHECK_STORE:-} GIVEN_RUN=${DSPARK_GPU_CHECK_RUN:-}
+if { [ -n "$GIVEN_RUN" ] && [ -z "$GIVEN_STORE" ]; } || { [ -n "$GIVEN_STORE" ] && [ -z "$GIVEN_PREPARED" ]; } \
+   || { [ -n "$GIVEN_PREPARED" ] && [ -z "$GIVEN_VERIFIER" ]; }; then
+  echo "DSPARK_GPU_CHECK_RUN needs DSPARK_GPU_CHECK_STORE, which needs DSPARK_GPU_CHECK_PREPARED, which needs" \
+    "DSPARK_GPU_CHECK_VERIFIER" >&2
+  exit 2
+fi
 : "${OUT:=cache/gpu-check}"
 : "${BUDGET:=3600}"
 : "${GPU_MEM:=0.5}"          # one server at a time: half the GPU leaves room for anything else on it
@@ -58,11 +75,23 @@ unserve() {
 SERVER=
 trap '[ -z "$SERVER" ] || unserve' EXIT
 
-step toy-verifier 300 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
-step prepare 120 "${DS[@]}" prepare --model "$W/tiny" --data "$CHAT" --output "$W/prepared" --seq-length 512 \
-  --minimum-valid-tokens 16
+if [ -n "$GIVEN_VERIFIER" ]; then
+  given toy-verifier "$GIVEN_VERIFIER" "$W/tiny"
+else
+  step toy-verifier 300 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
+fi
+if [ -n "$GIVEN_PREPARED" ]; then
+  given prepare "$GIVEN_PREPARED" "$W/prepared"
+else
+  step prepare 120 "${DS[@]}" prepare --model "$W/tiny" --data "$CHAT" --output "$W/prepared" --seq-length 512 \
+    --minimum-valid-tokens 16
+fi
 EXTRACT=(extract --to zarr --model "$W/tiny" --data "$W/prepared" "${LAYERS[@]}" --no-progress)
-step extract-fp32-cpu 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/fp32" --device cpu --dtype float32
+if [ -n "$GIVEN_STORE" ]; then
+  given extract-fp32-cpu "$GIVEN_STORE" "$W/fp32"
+else
+  step extract-fp32-cpu 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/fp32" --device cpu --dtype float32
+fi
 step "extract-bf16-$DEV" 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/bf16" --device "$DEV" --dtype bfloat16
 step compare-bf16 120 "${LIB[@]}" compare "$W/fp32" "$W/bf16" --bound "$BF16_BOUND"
 
@@ -103,9 +132,13 @@ step abort-verify 120 "${DS[@]}" store verify "$W/abort" --no-progress
 step abort-absent-or-whole 60 "${LIB[@]}" absent-or-whole "$W/abort" "$W/fp32" "$W/aborted-id" --bound "$BF16_BOUND"
 
 # A drafter in DSpark's layout (the default), served with `method: dspark`; then the verifier alone.
-step train 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" \
-  --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
-  --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
+if [ -n "$GIVEN_RUN" ]; then
+  given train "$GIVEN_RUN" "$W/run"
+else
+  step train 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" \
+    --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
+    --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
+fi
 step export 120 "${DS[@]}" export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
 BENCH=(bench --endpoint "$URL" --prompts demo="$CHAT" --max-prompts "$PROMPTS" --max-tokens "$TOKENS" --ignore-eos
        --concurrency 4 --no-progress)

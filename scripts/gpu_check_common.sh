@@ -30,6 +30,12 @@ step() {
   return "$rc"
 }
 
+# given NAME FOLDER LINK: step NAME takes FOLDER, given to this run, as its output (a link, never written).
+given() {
+  local link='[ -d "$1" ] || { echo "not a folder: $1"; exit 1; }; ln -s "$(realpath "$1")" "$2" && echo "given: $1"'
+  step "$1" 10 bash -c "$link" _ "$2" "$3"
+}
+
 # skip NAME WHY: a step not run. A dry run's skips (CUDA, vLLM 0.33) are expected; others are failures.
 skip() {
   if [ "$DRY" = 1 ]; then

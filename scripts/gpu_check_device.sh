@@ -11,12 +11,25 @@
 # On a lent machine, whose image lacks speculators, zarr, pydantic, dspark and a few more:
 #   bash scripts/gpu_wheels.sh                        # here: .gpuwheels/, ignored, under 64 MiB
 #   run  command: bash scripts/gpu_check_device.sh    carry: [".gpuwheels"]   timeout_s: 600
-# --dry-run (or DSPARK_GPU_CHECK_DRY=1): every step on the CPU with tiny sizes, NCCL as gloo; what
-# CI runs (tests/test_gpu_check.py).
+# --dry-run (or DSPARK_GPU_CHECK_DRY=1): every step on the CPU with tiny sizes, NCCL as gloo; what CI
+# runs (tests/test_gpu_check.py), which checks the plumbing and so gives it its test session's inputs.
+# Inputs given instead of built (unset, as on a real run: built here). Each is linked into the work
+# folder, read and never written, and its step passes at once, saying `given: PATH`:
+#   DSPARK_GPU_CHECK_VERIFIER  a toy verifier folder (skips toy-verifier)
+#   DSPARK_GPU_CHECK_PREPARED  data prepared for it by `dspark prepare` (skips prepare; needs the verifier)
+#   DSPARK_GPU_CHECK_STORE     a Zarr store of that data's fp32 CPU states at layers 1 3 5 (skips
+#                              extract-fp32-cpu; needs the data)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=${DSPARK_GPU_CHECK_DRY:-0}
 [ "${1:-}" != --dry-run ] || DRY=1
+GIVEN_VERIFIER=${DSPARK_GPU_CHECK_VERIFIER:-} GIVEN_PREPARED=${DSPARK_GPU_CHECK_PREPARED:-}
+GIVEN_STORE=${DSPARK_GPU_CHECK_STORE:-}
+if { [ -n "$GIVEN_STORE" ] && [ -z "$GIVEN_PREPARED" ]; } || { [ -n "$GIVEN_PREPARED" ] && [ -z "$GIVEN_VERIFIER" ]; }
+then
+  echo "DSPARK_GPU_CHECK_STORE needs DSPARK_GPU_CHECK_PREPARED, which needs DSPARK_GPU_CHECK_VERIFIER" >&2
+  exit 2
+fi
 : "${OUT:=cache/gpu-check-device}"
 : "${BUDGET:=540}"
 # shellcheck source=scripts/gpu_check_common.sh
@@ -25,7 +38,7 @@ export TORCH_LOGS=recompiles  # torch says each recompilation: train-ok counts t
 
 if [ "$DRY" = 1 ]; then
   PY=${PYTHON:-.venv/bin/python}
-  DEV=cpu TOY_STEPS=1 CHATS=40 SEQ=512 STEPS=4 TRUN=(--cpu) RESUME_TOL=0  # CPU training resumes bitwise
+  DEV=cpu TOY_STEPS=1 CHATS=40 SEQ=512 STEPS=2 TRUN=(--cpu) RESUME_TOL=0  # CPU training resumes bitwise
 else
   PY=${PYTHON:-python3}
   # CUDA backwards sum with atomic adds in any order (embedding, flex attention): the last bits may differ.
@@ -40,16 +53,29 @@ DS=("$PY" -m dspark.cli)
 LIB=("$PY" scripts/gpu_check_lib.py)
 TRAIN=(train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" --data-path "$W/prepared"
        --verifier-name-or-path "$W/tiny" --device "$DEV" --total-seq-len "$SEQ" --log-freq 2 --no-progress)
-head -n "$CHATS" "$("$PY" -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" >"$W/chat.jsonl"
 echo "gpu check ($([ "$DRY" = 1 ] && echo 'dry run, CPU' || echo "$DEV")): work folder $W, budget ${BUDGET}s"
 [ "$DRY" = 1 ] || "$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' \
   | tee "$LOGS/device.txt"
 
-step toy-verifier 120 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
-step prepare 60 "${DS[@]}" prepare --model "$W/tiny" --data "$W/chat.jsonl" --output "$W/prepared" --seq-length 512 \
-  --minimum-valid-tokens 16
+if [ -n "$GIVEN_VERIFIER" ]; then
+  given toy-verifier "$GIVEN_VERIFIER" "$W/tiny"
+else
+  step toy-verifier 120 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
+fi
+if [ -n "$GIVEN_PREPARED" ]; then
+  given prepare "$GIVEN_PREPARED" "$W/prepared"
+else
+  head -n "$CHATS" "$("$PY" -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" \
+    >"$W/chat.jsonl"
+  step prepare 60 "${DS[@]}" prepare --model "$W/tiny" --data "$W/chat.jsonl" --output "$W/prepared" \
+    --seq-length 512 --minimum-valid-tokens 16
+fi
 for x in "cpu float32 fp32" "$DEV bfloat16 bf16"; do
   read -r dev dtype name <<<"$x"
+  if [ "$name" = fp32 ] && [ -n "$GIVEN_STORE" ]; then
+    given "extract-$name-$dev" "$GIVEN_STORE" "$W/$name"
+    continue
+  fi
   step "extract-$name-$dev" 90 "${DS[@]}" extract --to zarr --model "$W/tiny" --data "$W/prepared" --store "$W/$name" \
     --target-layer-ids 1 3 5 --device "$dev" --dtype "$dtype" --no-progress
 done

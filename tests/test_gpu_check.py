@@ -1,6 +1,10 @@
 """The GPU checks' own machinery, on the CPU: both scripts' dry runs end to end, the step runner that records a
-failure and goes on, and the readiness wait that fails at once on a dead server."""
+failure and goes on, and the readiness wait that fails at once on a dead server.
 
+The dry runs check the scripts' plumbing, not the pipeline (other files test that): they are given the session's
+verifier, prepared data, store and trained run (DSPARK_GPU_CHECK_*), and build only what they check."""
+
+import hashlib
 import os
 import socket
 import subprocess
@@ -27,7 +31,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def contents(folder: Path) -> dict[str, str]:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def given(verifier, prepared, store, run=None) -> dict[str, str]:
+    """The session's inputs, for the scripts to link in place of building them."""
+    env = {"DSPARK_GPU_CHECK_VERIFIER": verifier, "DSPARK_GPU_CHECK_PREPARED": prepared,
+           "DSPARK_GPU_CHECK_STORE": store, "DSPARK_GPU_CHECK_RUN": run}
+    return {k: str(v) for k, v in env.items() if v is not None}
+
+
 def dry_run(script: str, out: Path, **env) -> list[str]:
+    inputs = [Path(env[k]) for k in sorted(env) if k.startswith("DSPARK_GPU_CHECK_")]
+    before = [contents(p) for p in inputs]
     proc = subprocess.run(["bash", f"scripts/{script}", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "OUT": str(out), "PYTHON": sys.executable, **env},
                           timeout=540)
@@ -35,6 +53,7 @@ def dry_run(script: str, out: Path, **env) -> list[str]:
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{(out / 'failures.txt').read_text()[-3000:]}"
     assert (out / "failures.txt").read_text() == ""
     assert (out / "logs.tar.gz").stat().st_size > 0
+    assert [contents(p) for p in inputs] == before, "a dry run wrote into the session's inputs it was given"
     return summary
 
 
@@ -45,23 +64,33 @@ def test_the_gpu_check_scripts_parse(script):
 
 
 @pytest.mark.slow
-def test_the_device_check_dry_run_passes_every_step_on_the_cpu(tmp_path):
-    summary = dry_run("gpu_check_device.sh", tmp_path)
+def test_the_device_check_dry_run_passes_every_step_on_the_cpu(tmp_path, verifier, prepared, store):
+    """Over 20 s: each step it checks is a process paying torch's imports (~7 s): a bf16 extraction, eval, a DDP
+    smoke test under torchrun and the five trainings it checks (plain, autocast off, under torchrun, resumed in two
+    halves)."""
+    summary = dry_run("gpu_check_device.sh", tmp_path, **given(verifier, prepared, store))
     steps = [line.split()[1] for line in summary]
     assert steps == ["toy-verifier", "prepare", "extract-fp32-cpu", "extract-bf16-cpu", "compare-bf16", "train",
                      "train-metrics", "eval", "train-autocast-off", "train-autocast-off-metrics", "ddp-nccl",
                      "train-torchrun", "resume-half", "resume-rest", "resume-equal"]
     assert all(line.startswith("ok") for line in summary), summary
     assert any("bitwise equal" in line for line in summary)
+    assert [line.split()[1] for line in summary if "given: " in line] == steps[:3]
 
 
 @pytest.mark.slow
-def test_the_vllm_check_dry_run_probes_an_abort_and_skips_only_what_needs_vllm_or_cuda(tmp_path):
-    summary = dry_run("gpu_check.sh", tmp_path, PORT=str(free_port()))
+def test_the_vllm_check_dry_run_probes_an_abort_and_skips_only_what_needs_vllm_or_cuda(tmp_path, verifier, prepared,
+                                                                                       store, reference_run):
+    """Over 20 s: each step it checks is a process paying torch's imports (~7 s): a bf16 extraction, the
+    `dspark serve` the abort probe drops a request on, store verify, export and eval --decode."""
+    summary = dry_run("gpu_check.sh", tmp_path, PORT=str(free_port()),
+                      **given(verifier, prepared, store, reference_run[0].save_path))
     assert [line.split()[1].rstrip(":") for line in summary if line.startswith("dry")] == \
         ["vllm-v2", "vllm-v1", "vllm-tp2", "serve-draft"]
     assert all(line.startswith(("ok", "dry")) for line in summary), summary
     assert any(line.startswith("ok   abort-absent-or-whole") for line in summary)
+    assert [line.split()[1] for line in summary if "given: " in line] == \
+        ["toy-verifier", "prepare", "extract-fp32-cpu", "train"]
 
 
 def test_a_failed_step_is_recorded_with_its_log_and_the_next_step_runs(tmp_path):
