@@ -98,7 +98,7 @@ def bf16_batches(monkeypatch):
 def test_eval_takes_bf16_inputs_into_fp32_or_bf16_weights(weights, reference_run, store, tmp_path, monkeypatch):
     """Inputs follow the weights' dtype outside autocast: CUDA's bf16 batches into an fp32 checkpoint crashed the
     teacher-forced pass (`expected m1 and m2 to have the same dtype`), as fp32 batches into bf16 weights do here."""
-    import dspark.eval.teacher_forced as tf
+    import dspark.train.model as tf  # where run_eval takes load_checkpoint from, when it runs
 
     c, _ = reference_run
     ckpt, n = os.path.join(c.save_path, "latest"), 64
@@ -121,7 +121,7 @@ def test_eval_compiles_a_handful_of_forward_shapes_not_one_per_batch(reference_r
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import dspark.eval.teacher_forced as tf
+    import dspark.train.model as tf  # where run_eval takes load_checkpoint from, when it runs
 
     c, _ = reference_run
     load, shapes = tf.load_checkpoint, []
