@@ -10,6 +10,11 @@ Prompts: `--prompts FILE.json` (a JSON list of token-id lists), or `--prepared D
 the first K samples of a `dspark prepare` folder, each cut before its first supervised
 (loss_mask == 1) token, i.e. the conversation up to the first assistant reply.
 
+Several runs on one engine: `--jobs FILE.json`, a JSON list of {"prompts": [token-id lists],
+"max_new_tokens": N, "output": PATH}, instead of --prompts/--output. The engine starts once (sized
+for the largest job); each job is generated on its own, and its PATH gets what a run with only its
+prompts and --max-new-tokens writes: its outputs, and the counters its generation added.
+
 What it measures. vLLM's V1 `method: dflash` proposer builds 1+N slots (the anchor, then N mask
 slots) and proposes slots 1..N: it serves speculators' DFlash layout (`dspark train
 --no-sample-from-anchor`: slot k predicts token p+k, block_size-1 drafts) and shifts the DSpark
@@ -89,6 +94,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", required=True, help="A `dspark export` folder (or a checkpoint folder).")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="JSON file: a list of token-id lists.")
+    src.add_argument("--jobs", help="JSON file: a list of {prompts, max_new_tokens, output}: several runs on one "
+                                    "engine (one start), each written to its own output.")
     src.add_argument("--prepared", help="A `dspark prepare` folder: prompts are its samples up to the first "
                                         "supervised token.")
     ap.add_argument("--num-prompts", type=int, default=20, help="With --prepared: how many samples (default 20).")
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="dflash",
                     help="vLLM speculative method (default dflash); `none`: no drafter, the plain greedy reference "
                          "(counters 0, same outputs expected).")
-    ap.add_argument("--output", required=True, help="JSON file to write.")
+    ap.add_argument("--output", help="JSON file to write (not with --jobs: each job names its own).")
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args(argv)
 
@@ -106,16 +113,30 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.time()
 
-    if args.prompts:
-        prompts = json.loads(Path(args.prompts).read_text())
+    if args.jobs:
+        if args.output:
+            sys.exit("error: --output is per job with --jobs (each job's \"output\")")
+        jobs = json.loads(Path(args.jobs).read_text())
+        if not (isinstance(jobs, list) and jobs and all(isinstance(j, dict) and {"prompts", "max_new_tokens",
+                                                                                "output"} <= set(j) for j in jobs)):
+            sys.exit(f"error: {args.jobs} must hold a non-empty JSON list of {{prompts, max_new_tokens, output}}")
+    else:
+        if not args.output:
+            sys.exit("error: --output is required (or --jobs)")
+        if args.prompts:
+            prompts = json.loads(Path(args.prompts).read_text())
+        else:
+            prompts = prompts_from_prepared(args.prepared, args.num_prompts)
+            if not prompts:
+                sys.exit(f"error: {args.prepared} gave no prompt")
+        jobs = [{"prompts": prompts, "max_new_tokens": args.max_new_tokens, "output": args.output}]
+    for job in jobs:
+        prompts = job["prompts"]
         if not (isinstance(prompts, list) and prompts and
                 all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts)):
-            sys.exit(f"error: {args.prompts} must hold a non-empty JSON list of non-empty token-id lists")
-    else:
-        prompts = prompts_from_prepared(args.prepared, args.num_prompts)
-        if not prompts:
-            sys.exit(f"error: {args.prepared} gave no prompt")
-    need = max(len(p) for p in prompts) + args.max_new_tokens + args.num_speculative_tokens + 1
+            sys.exit(f"error: {args.jobs or args.prompts} must hold non-empty JSON lists of non-empty token-id lists")
+    need = max(len(p) + job["max_new_tokens"] for job in jobs for p in job["prompts"]) + \
+        args.num_speculative_tokens + 1
     max_model_len = max(args.max_model_len, need)
 
     verifier = Path(args.verifier)
@@ -135,28 +156,41 @@ def main(argv=None) -> int:
                                                    "num_speculative_tokens": args.num_speculative_tokens}
         llm = LLM(model=str(verifier.resolve()), tokenizer=str(verifier.resolve()), speculative_config=spec,
                   dtype="float32", enforce_eager=True, disable_log_stats=False, max_model_len=max_model_len,
-                  max_num_seqs=len(prompts), seed=0, enable_prefix_caching=False)
-        t1 = time.time()
-        params = SamplingParams(temperature=0.0, max_tokens=args.max_new_tokens, min_tokens=args.max_new_tokens,
-                                ignore_eos=True)
-        results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        t2 = time.time()
-        counters = read_counters(llm.get_metrics())
+                  max_num_seqs=max(len(job["prompts"]) for job in jobs), seed=0, enable_prefix_caching=False)
+        startup_s = time.time() - t0
+        for job in jobs:
+            before = read_counters(llm.get_metrics())  # cumulative: a job's are what its generation added
+            t1 = time.time()
+            params = SamplingParams(temperature=0.0, max_tokens=job["max_new_tokens"],
+                                    min_tokens=job["max_new_tokens"], ignore_eos=True)
+            results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params,
+                                   use_tqdm=False)
+            t2 = time.time()
+            after = read_counters(llm.get_metrics())
+            counters = {k: after[k] - before[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+            counters["accepted_per_position"] = [a - b for a, b in zip(
+                after["accepted_per_position"], before["accepted_per_position"] or [0] * len(
+                    after["accepted_per_position"]))]
+            write_output(args, job, counters, results, draft_cfg, drafter, verifier, startup_s, t1, t2, t0)
+    return 0
 
+
+def write_output(args, job: dict, counters: dict, results, draft_cfg: dict, drafter: Path, verifier: Path,
+                 startup_s: float, t1: float, t2: float, t0: float) -> None:
     drafts = counters["num_drafts"]
     out = {**{k: counters[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
            "accepted_per_position": counters["accepted_per_position"],
            "mean_acceptance_length": 1 + counters["num_accepted_tokens"] / drafts if drafts else 0.0,
            "outputs": [list(r.outputs[0].token_ids) for r in results],
-           "num_speculative_tokens": args.num_speculative_tokens, "max_new_tokens": args.max_new_tokens,
-           "num_prompts": len(prompts), "method": args.method, "verifier": str(verifier), "drafter": str(drafter),
-           "sample_from_anchor": draft_cfg.get("sample_from_anchor"), "block_size": draft_cfg.get("block_size"),
-           "startup_s": round(t1 - t0, 2), "generate_s": round(t2 - t1, 2), "wall_s": round(time.time() - t0, 2)}
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(Path(args.output), dump_json(out) + "\n")
+           "num_speculative_tokens": args.num_speculative_tokens, "max_new_tokens": job["max_new_tokens"],
+           "num_prompts": len(job["prompts"]), "method": args.method, "verifier": str(verifier),
+           "drafter": str(drafter), "sample_from_anchor": draft_cfg.get("sample_from_anchor"),
+           "block_size": draft_cfg.get("block_size"), "startup_s": round(startup_s, 2),
+           "generate_s": round(t2 - t1, 2), "wall_s": round(time.time() - t0, 2)}
+    Path(job["output"]).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(job["output"]), dump_json(out) + "\n")
     summary = {k: v for k, v in out.items() if k != "outputs"}
     print(json.dumps(summary, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

