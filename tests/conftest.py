@@ -84,6 +84,18 @@ def run_process(*args, why: str, check=True, **kw) -> subprocess.CompletedProces
     return proc
 
 
+# Fixtures that train a drafter, or start `dspark serve` or vLLM: a test that takes one is slow by what it
+# takes, so `-m "not slow"` never builds them (module fixtures are named as their modules name them).
+SLOW_FIXTURES = {"reference_run", "reference_log10", "tracked_run", "logged_run", "regenerated", "no_anchor_run",
+                 "decoder", "every_anchor", "dflash_run", "eagle3_run", "live_serve", "live_vllm", "quiet"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tiny_fs(tmp_path):
     """A real 2 MiB filesystem, to fill up for real (needs root; CI runs as root)."""

@@ -149,6 +149,7 @@ def card_prepared(hf_home, tmp_path_factory) -> tuple[subprocess.CompletedProces
     return run(card("prepare", **{"<chat.jsonl>": chat, "<prepared>": prepared}), hf_home, tmp), prepared
 
 
+@pytest.mark.slow
 def test_the_prepare_line_reads_the_hub_id_from_the_cache(card_prepared):
     """No vLLM: its time is its setup, the 94-layer toy's cache and the card's prepare line (one process, run
     once for this test and the train line's)."""
@@ -157,6 +158,7 @@ def test_the_prepare_line_reads_the_hub_id_from_the_cache(card_prepared):
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["kept"] > 0
 
 
+@pytest.mark.slow
 def test_the_master_line_serves_its_port():
     proc, _ = start_master()
     stop(proc)

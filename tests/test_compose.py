@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dspark.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +38,7 @@ def wait(predicate, timeout: float) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_server_step_runs_until_the_pipeline_is_done(tmp_path):
     port = free_port("127.0.0.1")
     env = step_env(tmp_path, MOONCAKE_PORT=str(port), MOONCAKE_METRICS_PORT=str(free_port("127.0.0.1")))

@@ -82,6 +82,7 @@ def test_a_verifier_config_that_cannot_be_built_is_refused_naming_the_field(veri
         TransformersEngine(model, LAYERS, device="cpu")
 
 
+@pytest.mark.slow
 def test_extract_with_a_verifier_of_100000_layers_is_one_line_before_anything_is_allocated(verifier, prepared,
                                                                                            tmp_path):
     model = _verifier_with(verifier, tmp_path / "verifier", num_hidden_layers=100000, layer_types=None)

@@ -104,6 +104,7 @@ def test_a_failed_step_is_recorded_with_its_log_and_the_next_step_runs(tmp_path)
     assert "the reason" in (tmp_path / "failures.txt").read_text()
 
 
+@pytest.mark.slow
 def test_a_step_past_the_budget_is_stopped_by_its_timeout(tmp_path):
     code = ". scripts/gpu_check_common.sh; step sleepy 600 sleep 30; finish"
     start = time.monotonic()
@@ -145,6 +146,7 @@ def test_the_readiness_wait_gives_up_after_its_timeout_and_passes_once_health_an
         server.wait()
 
 
+@pytest.mark.slow
 def test_resume_equality_fails_on_weights_that_differ_beyond_the_tolerance(tmp_path):
     w = torch.randn(16, 16)
     for run, t in (("a", w), ("b", w + 1e-2)):

@@ -46,6 +46,7 @@ def cached(verifier, tmp_path, monkeypatch):
     return "Org/tiny"
 
 
+@pytest.mark.slow
 def test_prepare_with_a_hub_id_equals_prepare_with_its_folder(cached, verifier, chat_file, prepared, tmp_path):
     run_process("prepare", "--model", cached, "--data", chat_file, "--output", tmp_path / "p", "--seq-length", "256",
                 "--minimum-valid-tokens", "8", why=HF_HOME_AT_START)
@@ -56,6 +57,7 @@ def test_prepare_with_a_hub_id_equals_prepare_with_its_folder(cached, verifier, 
     assert proc.stderr.startswith("error: Org/absent is neither a local folder nor a model in the Hugging Face cache")
 
 
+@pytest.mark.slow
 def test_train_with_a_hub_id_meets_the_store_its_folder_wrote(cached, verifier, prepared, store, tmp_path):
     """Same identity (config, tokenizer, weights) and the same default store name as the folder gives."""
     snapshot = local_model(cached, tmp_path / "hf" / "hub")

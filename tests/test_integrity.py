@@ -187,6 +187,7 @@ def test_a_manifest_or_index_that_is_not_a_regular_file_or_too_big_is_one_error_
     assert line.startswith(f"error: {path} {problem}")
 
 
+@pytest.mark.slow
 def test_train_and_repair_take_a_chunk_of_dev_zero_or_20_gb_as_damaged_samples(store, prepared, verifier, tmp_path):
     root = tmp_path / "store"
     shutil.copytree(store, root)
@@ -266,6 +267,7 @@ def test_on_damaged_raise_stops_train_with_one_line(damaged_store, prepared, ver
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_eval_skips_or_stops_on_damaged_samples(damaged_store, store, prepared, verifier, tmp_path):
     from dspark.train.loop import Trainer
 
@@ -406,6 +408,7 @@ def other_verifier(verifier, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_a_verifier_with_other_weights_is_refused_by_repair_extract_and_train_unless_accepted(
         store, prepared, verifier, other_verifier, tmp_path):
     from dspark.connector.config import SinkConfig, ZarrConfig

@@ -187,6 +187,7 @@ def test_both_entry_points_read_the_shipped_deployment_file(model, entry):
 HF_HOME_AT_START = "HF_HOME is read where a process starts (huggingface_hub's constants), as vLLM's shell sets it"
 
 
+@pytest.mark.slow
 def test_a_hub_id_is_read_from_the_hugging_face_cache_as_vllm_finds_it(tmp_path):
     """Not a folder: its config.json comes from HF_HOME's cache, or vLLM's --download-dir; only when
     neither holds it is --num-hidden-layers asked for, in one line."""

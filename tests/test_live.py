@@ -34,6 +34,7 @@ from dspark.core.net import free_port
 from dspark.data.prepare import PreparedData
 
 pytest.importorskip("mooncake.store", reason="install the mooncake extra: pip install -e '.[mooncake]'")
+pytestmark = pytest.mark.slow  # every test here starts or reads real services (master, serve, vLLM)
 
 GIB = 1 << 30
 

@@ -48,6 +48,7 @@ def test_lookup_never_drafts_past_the_models_length():
 
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm (bash scripts/setup.sh --vllm)")
+@pytest.mark.slow
 def test_lookup_equals_vllms_own_ngram_proposer_on_random_requests():
     rng = np.random.default_rng(0)
     cases = [(rng.integers(0, int(v), int(n)).tolist(), int(lo), int(lo + extra), int(k))

@@ -61,6 +61,7 @@ def test_truncation_drop_counts_and_summary(verifier, tmp_path):
     assert sum(freq.values()) == s["supervised_tokens"]
 
 
+@pytest.mark.slow
 def test_rerun_is_idempotent_and_workers_are_deterministic(verifier, chat_file, tmp_path):
     one = PrepareConfig(str(verifier), str(chat_file), str(tmp_path / "one"), seq_length=128)
     s1 = prepare(one, progress=False)
@@ -281,6 +282,7 @@ LOOP_FOREVER = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfo
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.slow
 def test_a_template_that_renders_too_long_drops_the_conversation(verifier, tmp_path, workers):
     slow = _with_template_step(verifier, tmp_path / "slow", "{% if 'slowly' in message['content'] %}"
                                + LOOP_FOREVER + "{% endif %}")

@@ -188,6 +188,7 @@ def test_later_turns_are_answered_after_the_verifiers_own_replies(tmp_path, veri
                                                    for r, at in zip(written, replies)]
 
 
+@pytest.mark.slow
 def test_kill_9_mid_run_then_rerun_matches_the_uninterrupted_run(tmp_path, verifier, chat_file):
     """No vLLM. The killed run is a child process (the kill -9 is the claim); the reference and the reruns
     run in this process."""

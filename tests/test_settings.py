@@ -77,6 +77,7 @@ def test_the_connector_and_settings_import_without_click_or_the_cli():
 
 
 @pytest.mark.skipif(not VLLM_PY.exists(), reason="needs .venv-vllm (scripts/setup.sh --vllm)")
+@pytest.mark.slow
 def test_the_vllm_connector_loads_without_click():
     """What a vLLM worker imports when it loads our connector by module path."""
     code = BLOCK_CLICK + "import dspark.connector.vllm\nassert 'dspark.cli' not in sys.modules\n"

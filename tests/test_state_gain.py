@@ -65,6 +65,7 @@ def zeroed_store(store, tmp_path_factory) -> Path:
                           lambda s: torch.zeros(s.hidden_states[:, :-1].shape))
 
 
+@pytest.mark.slow
 def test_states_that_hold_the_answer_show_as_a_gain_and_a_drafter_that_never_saw_them_gains_nothing(
         coded_store, zeroed_store, prepared, verifier, tmp_path):
     coded = train_cfg(coded_store, prepared, verifier, tmp_path / "coded", epochs=10, checkpoint_freq=1.0, lr=1e-2)

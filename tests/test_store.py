@@ -287,6 +287,7 @@ def _writer(root, ids):
     write(root, ids)
 
 
+@pytest.mark.slow
 def test_two_concurrent_writers(tmp_path):
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_writer, args=(tmp_path, range(k, 60, 2))) for k in (0, 1)]
