@@ -75,23 +75,12 @@ unserve() {
 SERVER=
 trap '[ -z "$SERVER" ] || unserve' EXIT
 
-if [ -n "$GIVEN_VERIFIER" ]; then
-  given toy-verifier "$GIVEN_VERIFIER" "$W/tiny"
-else
-  step toy-verifier 300 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
-fi
-if [ -n "$GIVEN_PREPARED" ]; then
-  given prepare "$GIVEN_PREPARED" "$W/prepared"
-else
-  step prepare 120 "${DS[@]}" prepare --model "$W/tiny" --data "$CHAT" --output "$W/prepared" --seq-length 512 \
-    --minimum-valid-tokens 16
-fi
+made_or_given toy-verifier "$GIVEN_VERIFIER" "$W/tiny" 300 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
+made_or_given prepare "$GIVEN_PREPARED" "$W/prepared" 120 "${DS[@]}" prepare --model "$W/tiny" --data "$CHAT" \
+  --output "$W/prepared" --seq-length 512 --minimum-valid-tokens 16
 EXTRACT=(extract --to zarr --model "$W/tiny" --data "$W/prepared" "${LAYERS[@]}" --no-progress)
-if [ -n "$GIVEN_STORE" ]; then
-  given extract-fp32-cpu "$GIVEN_STORE" "$W/fp32"
-else
-  step extract-fp32-cpu 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/fp32" --device cpu --dtype float32
-fi
+made_or_given extract-fp32-cpu "$GIVEN_STORE" "$W/fp32" 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/fp32" --device cpu \
+  --dtype float32
 step "extract-bf16-$DEV" 300 "${DS[@]}" "${EXTRACT[@]}" --store "$W/bf16" --device "$DEV" --dtype bfloat16
 step compare-bf16 120 "${LIB[@]}" compare "$W/fp32" "$W/bf16" --bound "$BF16_BOUND"
 
@@ -132,13 +121,10 @@ step abort-verify 120 "${DS[@]}" store verify "$W/abort" --no-progress
 step abort-absent-or-whole 60 "${LIB[@]}" absent-or-whole "$W/abort" "$W/fp32" "$W/aborted-id" --bound "$BF16_BOUND"
 
 # A drafter in DSpark's layout (the default), served with `method: dspark`; then the verifier alone.
-if [ -n "$GIVEN_RUN" ]; then
-  given train "$GIVEN_RUN" "$W/run"
-else
-  step train 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr --store "$W/fp32" \
-    --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
-    --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
-fi
+# shellcheck disable=SC2046  # --max-steps N or nothing
+made_or_given train "$GIVEN_RUN" "$W/run" 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr \
+  --store "$W/fp32" --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
+  --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
 step export 120 "${DS[@]}" export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
 BENCH=(bench --endpoint "$URL" --prompts demo="$CHAT" --max-prompts "$PROMPTS" --max-tokens "$TOKENS" --ignore-eos
        --concurrency 4 --no-progress)

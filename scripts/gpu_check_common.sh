@@ -30,10 +30,17 @@ step() {
   return "$rc"
 }
 
-# given NAME FOLDER LINK: step NAME takes FOLDER, given to this run, as its output (a link, never written).
-given() {
+# made_or_given NAME GIVEN OUTPUT TIMEOUT CMD...: step NAME runs CMD (under TIMEOUT) to make OUTPUT, or, when
+# GIVEN names a folder given to this run, takes it as OUTPUT (a link, never written) and says `given: GIVEN`.
+made_or_given() {
+  local name=$1 given=$2 output=$3
+  shift 3
+  if [ -z "$given" ]; then
+    step "$name" "$@"
+    return
+  fi
   local link='[ -d "$1" ] || { echo "not a folder: $1"; exit 1; }; ln -s "$(realpath "$1")" "$2" && echo "given: $1"'
-  step "$1" 10 bash -c "$link" _ "$2" "$3"
+  step "$name" 10 bash -c "$link" _ "$given" "$output"
 }
 
 # skip NAME WHY: a step not run. A dry run's skips (CUDA, vLLM 0.33) are expected; others are failures.

@@ -57,27 +57,15 @@ echo "gpu check ($([ "$DRY" = 1 ] && echo 'dry run, CPU' || echo "$DEV")): work 
 [ "$DRY" = 1 ] || "$PY" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name())' \
   | tee "$LOGS/device.txt"
 
-if [ -n "$GIVEN_VERIFIER" ]; then
-  given toy-verifier "$GIVEN_VERIFIER" "$W/tiny"
-else
-  step toy-verifier 120 "${DS[@]}" toy-verifier --output "$W/tiny" --steps "$TOY_STEPS"
-fi
-if [ -n "$GIVEN_PREPARED" ]; then
-  given prepare "$GIVEN_PREPARED" "$W/prepared"
-else
-  head -n "$CHATS" "$("$PY" -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" \
-    >"$W/chat.jsonl"
-  step prepare 60 "${DS[@]}" prepare --model "$W/tiny" --data "$W/chat.jsonl" --output "$W/prepared" \
-    --seq-length 512 --minimum-valid-tokens 16
-fi
-for x in "cpu float32 fp32" "$DEV bfloat16 bf16"; do
-  read -r dev dtype name <<<"$x"
-  if [ "$name" = fp32 ] && [ -n "$GIVEN_STORE" ]; then
-    given "extract-$name-$dev" "$GIVEN_STORE" "$W/$name"
-    continue
-  fi
-  step "extract-$name-$dev" 90 "${DS[@]}" extract --to zarr --model "$W/tiny" --data "$W/prepared" --store "$W/$name" \
-    --target-layer-ids 1 3 5 --device "$dev" --dtype "$dtype" --no-progress
+made_or_given toy-verifier "$GIVEN_VERIFIER" "$W/tiny" 120 "${DS[@]}" toy-verifier --output "$W/tiny" \
+  --steps "$TOY_STEPS"
+head -n "$CHATS" "$("$PY" -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" >"$W/chat.jsonl"
+made_or_given prepare "$GIVEN_PREPARED" "$W/prepared" 60 "${DS[@]}" prepare --model "$W/tiny" --data "$W/chat.jsonl" \
+  --output "$W/prepared" --seq-length 512 --minimum-valid-tokens 16
+for x in "cpu float32 fp32 $GIVEN_STORE" "$DEV bfloat16 bf16"; do
+  read -r dev dtype name given <<<"$x"
+  made_or_given "extract-$name-$dev" "$given" "$W/$name" 90 "${DS[@]}" extract --to zarr --model "$W/tiny" \
+    --data "$W/prepared" --store "$W/$name" --target-layer-ids 1 3 5 --device "$dev" --dtype "$dtype" --no-progress
 done
 step compare-bf16 60 "${LIB[@]}" compare "$W/fp32" "$W/bf16" --bound "$BF16_BOUND"
 
