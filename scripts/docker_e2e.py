@@ -4,11 +4,15 @@ Run by scripts/docker-e2e.sh once both images exist (scripts/docker-build.sh):
   0. both images carry `cc` and their Python's Python.h: Triton builds its launcher with them at run
      time (torch.compile and the fused losses in training, vLLM's Model Runner V2 on CUDA);
   1. live: `docker compose up -d`; once training has checkpointed, the trainer container is
-     killed (SIGKILL); `up -d` again must resume it from that checkpoint, finish, and stop the
-     master and the extractor; then checkpoints, eval report, export and a verified cache;
-  2. `docker compose up` once more (attached) exits by itself and redoes nothing;
-  3. offline: `docker compose --profile offline up` (attached): extract --to zarr, train, eval,
-     export, and a store that `dspark store verify` accepts.
+     killed (SIGKILL) while the master and the extractor stay healthy;
+  2. `docker compose --profile live --profile offline up -d`: the live trainer must resume from
+     that checkpoint, finish, and stop the master and the extractor, while the offline profile runs
+     beside it (extract --to zarr, train --from zarr); then each leaves checkpoints, an eval report,
+     an export, and a cache or store that `dspark store verify` accepts;
+  3. `docker compose up` once more (attached) exits by itself and redoes nothing.
+Three `compose up` calls in all. The toy settings are the CPU deployment's (configs/cpu.yaml) with
+what no check depends on made smaller: one epoch of training instead of two, and a toy verifier
+pre-trained for TOY_STEPS steps instead of 150 (an env file of its own: .env.example plus these).
 It prints the wall time of each part and the image sizes.
 """
 from __future__ import annotations
@@ -23,11 +27,15 @@ import time
 from pathlib import Path
 
 import docker
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = os.environ.get("E2E_PROJECT", "dspark-e2e")
 TAG = os.environ.get("DSPARK_TAG", "latest")
 NAME = "demo"
+TOY_STEPS = os.environ.get("E2E_TOY_STEPS", "20")  # the toy verifier's pre-training steps (the deployment's: 150)
+EPOCHS = int(os.environ.get("E2E_EPOCHS", "1"))  # configs/cpu.yaml trains 2: one still checkpoints 4 times
+PROFILES = ("--profile", "live", "--profile", "offline")
 client = docker.from_env()
 
 
@@ -145,11 +153,22 @@ def check_outputs(cache: Path, source: str, store: str) -> dict:
     return {"run": run, "latest": latest, "export": export}
 
 
+def settings(cache: Path) -> dict:
+    """The CPU deployment, smaller where no check depends on size: configs/cpu.yaml with EPOCHS epochs
+    as /cache/e2e.yaml, and .env.example naming it, with TOY_STEPS, as the containers' env file."""
+    config = yaml.safe_load((ROOT / "configs" / "cpu.yaml").read_text())
+    config["train"]["epochs"] = EPOCHS
+    (cache / "e2e.yaml").write_text(yaml.safe_dump(config))
+    lines = [l for l in (ROOT / ".env.example").read_text().splitlines() if not l.startswith("DSPARK_CONFIG=")]
+    (cache / "e2e.env").write_text("\n".join([*lines, "DSPARK_CONFIG=/cache/e2e.yaml", f"TOY_STEPS={TOY_STEPS}", ""]))
+    return {"DSPARK_ENV_FILE": str(cache / "e2e.env")}
+
+
 def main() -> None:
     check_toolchain()
     cache = Path(tempfile.mkdtemp(prefix="dspark-e2e-"))
+    env = {**os.environ, "DSPARK_CACHE": str(cache), "DSPARK_TAG": TAG, **settings(cache)}
     os.chown(cache, 1000, 1000)  # the containers' user (DSPARK_UID)
-    env = {**os.environ, "DSPARK_CACHE": str(cache), "DSPARK_TAG": TAG}
     times = {}
     try:
         # 1. live, with the trainer killed once it has checkpointed
@@ -166,17 +185,22 @@ def main() -> None:
         for s in ("mooncake-master", "extractor"):
             st = state(container(s))
             assert st["Status"] == "running" and st["Health"]["Status"] == "healthy", f"{s}: {st}"
-        compose(env, "up", "-d")
-        servers = [container(s) for s in ("mooncake-master", "extractor", "trainer")]
-        wait_until(lambda: all(state(c)["Status"] == "exited" for c in servers), 1800, "the live pipeline to finish")
-        exited_ok("prepare", "mooncake-master", "extractor", "trainer")
+        times["live until the kill"] = time.monotonic() - t
+
+        # 2. up -d again, with the offline profile beside it: the trainer resumes, the offline pipeline runs
+        t = time.monotonic()
+        compose(env, *PROFILES, "up", "-d")
+        steps = [container(s) for s in ("mooncake-master", "extractor", "trainer", "extract", "train-offline")]
+        wait_until(lambda: all(state(c)["Status"] == "exited" for c in steps), 1800, "both pipelines to finish")
+        exited_ok("prepare", "mooncake-master", "extractor", "trainer", "extract", "train-offline")
         logs = container("trainer").logs().decode(errors="replace")
         assert f"from {killed_at}" in logs, f"the trainer did not resume from {killed_at}:\n{logs[-2000:]}"
         live = check_outputs(cache, "mooncake", f"live-cache/{NAME}")
         assert checkpoints(live["run"])[-1] > killed_at
-        times["live (kill + resume)"] = time.monotonic() - t
+        check_outputs(cache, "zarr", f"stores/{NAME}")
+        times["live resumed + offline"] = time.monotonic() - t
 
-        # 2. up again: exits by itself, redoes nothing
+        # 3. up again: exits by itself, redoes nothing
         t = time.monotonic()
         before = {p: p.stat().st_mtime for p in (live["latest"] / "eval" / "eval.json", live["export"] / "config.json")}
         compose(env, "up", timeout=1200)
@@ -184,15 +208,8 @@ def main() -> None:
         assert checkpoints(live["run"])[-1] == live["latest"].name, "training ran again"
         assert all(p.stat().st_mtime == m for p, m in before.items()), "eval or export ran again"
         times["live, up again (nothing to do)"] = time.monotonic() - t
-
-        # 3. offline
-        t = time.monotonic()
-        compose(env, "--profile", "offline", "up", timeout=1800)
-        exited_ok("prepare", "extract", "train-offline")
-        check_outputs(cache, "zarr", f"stores/{NAME}")
-        times["offline"] = time.monotonic() - t
     finally:
-        compose(env, "--profile", "live", "--profile", "offline", "down", "--remove-orphans", timeout=300)
+        compose(env, *PROFILES, "down", "--remove-orphans", timeout=300)
         # The containers wrote as uid 1000; a root CI can remove it, a user keeps it to look at.
         if os.environ.get("E2E_KEEP") != "1":
             shutil.rmtree(cache, ignore_errors=True)

@@ -24,8 +24,10 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
   [ "$(id -u)" = 0 ] || { echo "error: slurm-wlm and munge are missing; install them: sudo apt-get install slurm-wlm munge" >&2; exit 2; }
   echo "installing slurm-wlm and munge" >&2
   export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q slurm-wlm munge >/dev/null 2>&1 \
-    || { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm munge >/dev/null; }
+  # Waiting for the dpkg lock: CI installs Docker beside this check (scripts/docker-e2e.sh --build).
+  apt_get() { apt-get -o DPkg::Lock::Timeout=600 "$@"; }
+  apt_get install -y -q slurm-wlm munge >/dev/null 2>&1 \
+    || { apt_get update -q >/dev/null && apt_get install -y -q slurm-wlm munge >/dev/null; }
 fi
 
 if ! pgrep -x munged >/dev/null; then

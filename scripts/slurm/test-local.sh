@@ -5,6 +5,9 @@
 #      cancelled (scancel) once training has checkpointed, then resubmitted with `sbatch --wait`:
 #      it must resume, finish, leave a cache that verifies, and leave no server running.
 #   2. offline (offline.sh): extract.sbatch to a Zarr store, then train.sbatch (afterok).
+# The toy settings are the CPU deployment's (configs/cpu.yaml), smaller where no check depends on
+# size: one epoch of training instead of two (still 4 checkpoints), a toy verifier pre-trained for
+# TOY_STEPS (20) steps instead of 150.
 # Needs .venv and .venv-vllm (bash scripts/setup.sh --vllm). Prints the wall time of each part.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,9 +18,9 @@ W=$(mktemp -d /tmp/dspark-slurm-test.XXXXXX)
 t0=$SECONDS
 fail() { echo "FAIL: $*" >&2; for f in "$W"/work/run*/logs/*/*.log; do echo "--- $f" >&2; tail -n 25 "$f" >&2; done; exit 1; }
 
-# The toy inputs, and the CPU deployment file (compose's; common.sh's default is the seed's), with two
-# trackers whose runs must continue across the cancel.
-OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" >/dev/null
+# The toy inputs, and the CPU deployment file (compose's; common.sh's default is the seed's) with one
+# epoch, and two trackers whose runs must continue across the cancel.
+OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" --steps "${TOY_STEPS:-20}" >/dev/null
 export OMP_NUM_THREADS=1
 .venv/bin/dspark prepare --config configs/cpu.yaml --model "$W/models/tiny" --output "$W/prepared" \
   --data "$(.venv/bin/python -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" \
@@ -27,6 +30,7 @@ export DSPARK_CONFIG=$W/config.yaml
 import sys, yaml
 config = yaml.safe_load(open(sys.argv[1]))
 config["train"]["tracking"] = {"logger": "tensorboard,mlflow"}
+config["train"]["epochs"] = 1
 yaml.safe_dump(config, open(sys.argv[2], "w"))
 PY
 # Ports outside the kernel's ephemeral range, which no connection can take before its server binds it.
@@ -38,8 +42,16 @@ echo "toy inputs ready in $((SECONDS - t0))s ($W)"
 
 # servers_left: the job's servers still running anywhere on this node (none may outlive a job). A zombie
 # (defunct: exited, its exit status not yet collected by whoever inherited it) holds no port or memory and
-# is not a server left running; CI once caught vLLM's two in the instant before they were reaped.
-servers_left() { pgrep -r R,S,D,T,t,I -af "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true; }
+# is not a server left running; CI once caught vLLM's two in the instant before they were reaped. Ours are
+# those whose environment has this test's ports (sbatch and srun pass it on): vLLM's renamed processes
+# (VLLM::EngineCore, VLLM::Worker) name no port, and another vLLM on this machine is not the job's.
+servers_left() {
+  local pid
+  for pid in $(pgrep -r R,S,D,T,t,I -f "mooncake_master --rpc_port $MOONCAKE_PORT |--port $EXTRACT_PORT|VLLM::" || true); do
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qx "MOONCAKE_PORT=$MOONCAKE_PORT" && ps -o pid=,args= -p "$pid"
+  done
+  return 0
+}
 job_state() { scontrol show job "$1" 2>/dev/null | grep -o 'JobState=[A-Z_]*' | cut -d= -f2; }
 wait_gone() { for _ in $(seq 120); do case $(job_state "$1") in PENDING|RUNNING|COMPLETING) sleep 1 ;; *) return 0 ;; esac; done; fail "job $1 did not end"; }
 # Only checkpoints renamed into place: a save in progress is a step-N.tmp folder, and cancelling the
