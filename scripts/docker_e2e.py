@@ -34,6 +34,8 @@ PROJECT = os.environ.get("E2E_PROJECT", "dspark-e2e")
 TAG = os.environ.get("DSPARK_TAG", "latest")
 NAME = "demo"
 TOY_STEPS = os.environ.get("E2E_TOY_STEPS", "20")  # the toy verifier's pre-training steps (the deployment's: 150)
+# One thread a process: several share the 2 cores here, and two OpenMP threads each then wait on each other.
+THREADS = os.environ.get("E2E_OMP_NUM_THREADS", "1")
 EPOCHS = int(os.environ.get("E2E_EPOCHS", "1"))  # configs/cpu.yaml trains 2: one still checkpoints 4 times
 PROFILES = ("--profile", "live", "--profile", "offline")
 client = docker.from_env()
@@ -155,12 +157,13 @@ def check_outputs(cache: Path, source: str, store: str) -> dict:
 
 def settings(cache: Path) -> dict:
     """The CPU deployment, smaller where no check depends on size: configs/cpu.yaml with EPOCHS epochs
-    as /cache/e2e.yaml, and .env.example naming it, with TOY_STEPS, as the containers' env file."""
+    as /cache/e2e.yaml, and .env.example naming it, with TOY_STEPS and THREADS, as the containers' env file."""
     config = yaml.safe_load((ROOT / "configs" / "cpu.yaml").read_text())
     config["train"]["epochs"] = EPOCHS
     (cache / "e2e.yaml").write_text(yaml.safe_dump(config))
-    lines = [l for l in (ROOT / ".env.example").read_text().splitlines() if not l.startswith("DSPARK_CONFIG=")]
-    (cache / "e2e.env").write_text("\n".join([*lines, "DSPARK_CONFIG=/cache/e2e.yaml", f"TOY_STEPS={TOY_STEPS}", ""]))
+    ours = {"DSPARK_CONFIG": "/cache/e2e.yaml", "TOY_STEPS": TOY_STEPS, "OMP_NUM_THREADS": THREADS}
+    lines = [l for l in (ROOT / ".env.example").read_text().splitlines() if l.split("=")[0] not in ours]
+    (cache / "e2e.env").write_text("\n".join([*lines, *(f"{k}={v}" for k, v in ours.items()), ""]))
     return {"DSPARK_ENV_FILE": str(cache / "e2e.env")}
 
 

@@ -20,8 +20,10 @@ fail() { echo "FAIL: $*" >&2; for f in "$W"/work/run*/logs/*/*.log; do echo "---
 
 # The toy inputs, and the CPU deployment file (compose's; common.sh's default is the seed's) with one
 # epoch, and two trackers whose runs must continue across the cancel.
-OMP_NUM_THREADS=2 .venv/bin/dspark toy-verifier --output "$W/models/tiny" --steps "${TOY_STEPS:-20}" >/dev/null
+# One OpenMP thread a process: with anything else running (CI builds the images meanwhile), two
+# threads wait on each other (the toy verifier: 10 s with one thread, 56 s with two, on a busy machine).
 export OMP_NUM_THREADS=1
+.venv/bin/dspark toy-verifier --output "$W/models/tiny" --steps "${TOY_STEPS:-20}" >/dev/null
 .venv/bin/dspark prepare --config configs/cpu.yaml --model "$W/models/tiny" --output "$W/prepared" \
   --data "$(.venv/bin/python -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" \
   >/dev/null 2>"$W/prepare.log" || fail "prepare: $(tail -n 5 "$W/prepare.log")"
