@@ -22,6 +22,7 @@ from typing import Callable
 import pytest
 
 from conftest import LAYERS, wait_for
+from dspark.core.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -34,18 +35,12 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _free_port() -> int:
-    from dspark.core.net import free_port
-
-    return free_port("127.0.0.1")
-
-
 def start_master(tmp_path, port=None):
-    port = port or _free_port()
+    port = port or free_port("127.0.0.1")
     log = open(tmp_path / f"master-{port}.log", "w")
     # `dspark mooncake-master` becomes the master (exec): the pid is the server's, as in compose and Slurm.
     proc = subprocess.Popen([str(Path(sys.executable).parent / "dspark"), "mooncake-master", "--port", str(port),
-                             "--metrics-port", str(_free_port()), "--rpc-threads", "4"],
+                             "--metrics-port", str(free_port("127.0.0.1")), "--rpc-threads", "4"],
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: _port_open(port), 20, "mooncake_master")
     return proc, f"127.0.0.1:{port}"
@@ -64,7 +59,7 @@ def stop(proc, sig=signal.SIGKILL):
 
 def start_extractor(tmp_path, verifier, prepared, master_addr, engine="serve", serve_segment_gib=0.25, port=None):
     """`dspark serve`, or real vLLM with our KV connector through the seed's launcher: same flags, same replies."""
-    port = port or _free_port()
+    port = port or free_port("127.0.0.1")
     common = ["--hidden-states-backend", "mooncake", "--mooncake-master", master_addr,
               "--target-layer-ids", *map(str, LAYERS)]
     if engine == "serve":

@@ -24,7 +24,7 @@ from dspark.export.serving import docker_command
 from dspark.core.net import free_port
 from dspark.verifier.toy import ToySpec, build_toy_verifier, demo_chat_path
 from dspark.train.config import TrainConfig
-from test_live import VLLM_PY, _port_open, stop
+from services import VLLM_PY, _port_open, stop
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_live import small_cfg, start_master, stop
+from services import small_cfg, start_master, stop
 import dspark.connector  # noqa: F401  (registers every sink and source)
 from dspark.connector.base import Sample, Sink, Source, open_sink
 from dspark.connector.config import SinkConfig, ZarrConfig

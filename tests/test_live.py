@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from conftest import LAYERS, fit, run_cli, train_cfg, wait_for
-# The live-service helpers (test_card, test_contract and test_integrity import them from here too).
-from services import VLLM_PY, Service, _port_open, small_cfg, start_extractor, start_master, stop  # noqa: F401
+from services import Service, small_cfg, start_extractor, start_master, stop
 from dspark.verifier.resolved import Verifier
 from dspark.connector.base import Sample
 from dspark.connector.registry import SOURCES

@@ -13,7 +13,7 @@ from dspark.decode.loop import autoregressive, speculative
 from dspark.decode.ngram import NgramDrafter, lookup
 from dspark.decode.report import summarize
 from dspark.decode.verifier import Verifier
-from test_live import VLLM_PY
+from services import VLLM_PY
 
 GREEDY = SamplingConfig(temperature=0.0)
 

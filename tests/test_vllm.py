@@ -11,7 +11,7 @@ import pytest
 from conftest import LAYERS, run_cli, wait_for, write_jsonl
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.verifier.toy import demo_chat_path
-from test_live import VLLM_PY
+from services import VLLM_PY
 
 pytestmark = pytest.mark.slow
 ROOT = VLLM_PY.parents[2]

@@ -16,7 +16,7 @@ import pytest
 from conftest import fit, run_cli, train_cfg, wait_for, write_jsonl
 from dspark.export.folder import export
 from dspark.core.net import free_port
-from test_live import VLLM_PY
+from services import VLLM_PY
 from vllm_engines import accept_jobs, in_process_env
 
 pytestmark = [pytest.mark.slow,

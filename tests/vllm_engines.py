@@ -14,8 +14,8 @@ import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+from services import ROOT, VLLM_PY
+
 ACCEPT = ROOT / "scripts" / "vllm_dflash_accept.py"
 
 
