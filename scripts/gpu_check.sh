@@ -140,6 +140,6 @@ else
   done
 fi
 step eval-decode 600 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --decode --prompts demo="$CHAT" \
-  --max-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --ignore-eos --no-confidence --no-progress --output "$W/decoded"
+  --max-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --ignore-eos --no-progress --output "$W/decoded"
 [ "$DRY" = 1 ] || step acceptance 60 "${LIB[@]}" acceptance "$W/bench-drafted" "$W/bench-alone" "$W/decoded"
 finish

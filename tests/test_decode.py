@@ -10,6 +10,7 @@ import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
 from dspark.verifier import resolved
+from dspark.decode.cost import ConfidenceCut
 from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
 from dspark.decode.proposal import Proposal
@@ -124,11 +125,11 @@ def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder
     gen = lambda: torch.Generator().manual_seed(11)  # noqa: E731
     kw = dict(sampling=SamplingConfig(temperature=temperature), eos=eos)
     alone = [speculative(v, drafter, prompt, 40, gen=gen(), **kw), autoregressive(v, prompt, 40, gen=gen(), **kw),
-             speculative(v, drafter, prompt, 40, gen=gen(), confidence_threshold=0.5, **kw)]
+             speculative(v, drafter, prompt, 40, gen=gen(), verify=ConfidenceCut(0.5), **kw)]
     pre = prefill(v, drafter, prompt)
     shared = [speculative(v, drafter, prompt, 40, gen=gen(), prefilled=pre, **kw),
               autoregressive(v, prompt, 40, gen=gen(), prefilled=pre, **kw),
-              speculative(v, drafter, prompt, 40, gen=gen(), confidence_threshold=0.5, prefilled=pre, **kw)]
+              speculative(v, drafter, prompt, 40, gen=gen(), verify=ConfidenceCut(0.5), prefilled=pre, **kw)]
     for a, b in zip(alone, shared):
         assert (a.tokens, a.accepted, a.verified) == (b.tokens, b.accepted, b.verified)
         # each is charged the shared forward, as if it had done its own
@@ -145,7 +146,8 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
     traces = []
     eos = {v.model.config.eos_token_id}
     for prompt in prompt_ids(prepared, 6):
-        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, confidence_threshold=threshold, eos=eos)
+        cut = None if threshold is None else ConfidenceCut(threshold)
+        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, verify=cut, eos=eos)
         assert spec.tokens == autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos).tokens
         # every step yields its accepted drafts and one token of the verifier's; the last step may pass
         # 40 or a stop token, and is cut there: no step runs after the output is complete

@@ -37,9 +37,8 @@ def scripted(monkeypatch):
 
 def _decode(prompts: list[Prompt], name: str, fmt: str) -> dict:
     ps = PromptSet(name, f"{name}.jsonl", prompts, {}, format=fmt)
-    return decode_set(DecodeConfig(checkpoint="x", confidence_threshold=None), ps, verifier=None,
-                       drafter=SimpleNamespace(num_speculative_tokens=4), eos=set(), use_confidence=False,
-                       progress=False)
+    return decode_set(DecodeConfig(checkpoint="x"), ps, verifier=None, drafter=SimpleNamespace(num_speculative_tokens=4),
+                      eos=set(), policies={}, progress=False)
 
 
 def test_the_decode_report_gives_per_position_acceptance_per_mtbench_category(scripted):

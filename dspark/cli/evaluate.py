@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import click
 
@@ -21,13 +21,11 @@ class EvalConfig(TeacherForcedConfig):
                                   "per-position acceptance per set, long-context buckets, speedup "
                                   "(decode.json/.md/.png).", negatable=False)
     decoding: DecodeOptions = setting(factory=DecodeOptions, prefixed=False)
-    no_confidence: bool = setting(False, "Skip the confidence-cut decode.", negatable=False)
 
     def decode_config(self) -> DecodeConfig:
         """The `--decode` settings, checked (before the teacher-forced pass, not after it)."""
-        threshold = None if self.no_confidence else self.decoding.confidence_threshold
         return DecodeConfig(checkpoint=self.checkpoint, verifier=self.verifier_name_or_path,
-                            **{**asdict(self.decoding), "confidence_threshold": threshold}).validate()
+                            **{f.name: getattr(self.decoding, f.name) for f in fields(self.decoding)}).validate()
 
 
 @command(main, "eval", EvalConfig, Progress)

@@ -86,6 +86,23 @@ class FiniteInt(_Finite, click.types.IntParamType):
     """An int option: `.inf` from a config file is refused in one line, not an OverflowError traceback."""
 
 
+class IntOrWord(FiniteInt):
+    """An int option that also takes the words of a `Literal` arm of its type (`--num-speculative-tokens auto`)."""
+
+    def __init__(self, words: tuple[str, ...]):
+        super().__init__()
+        self.words = words
+        self.name = "|".join(("integer", *words))
+
+    def convert(self, value, param, ctx):
+        return value if value in self.words else super().convert(value, param, ctx)
+
+
+def _words(hint) -> tuple[str, ...]:
+    """The words a union type takes beside its number: its `Literal` arms' values."""
+    return tuple(w for arm in typing.get_args(hint) if typing.get_origin(arm) is Literal for w in typing.get_args(arm))
+
+
 def _param(leaf: Leaf) -> click.Parameter:
     path, flags, f, hint, default, _ = leaf
     meta = f.metadata
@@ -100,7 +117,7 @@ def _param(leaf: Leaf) -> click.Parameter:
     if base is float:
         kw["type"] = FiniteFloat(allow_inf=meta.get("allow_inf", False))
     elif base is int:
-        kw["type"] = FiniteInt()
+        kw["type"] = IntOrWord(_words(hint)) if _words(hint) else FiniteInt()
     elif typing.get_origin(base) is Literal:
         kw["type"] = click.Choice(typing.get_args(base))
     elif base is str:

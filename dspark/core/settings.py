@@ -138,7 +138,7 @@ def check_settings(cfg, prefix: tuple[str, ...] = ()) -> None:
 def broken_bound(meta: dict, value) -> str | None:
     """The `ge`/`gt`/`le` bound of a setting that `value` breaks, as "<= 1000", or None."""
     ge, gt, le = meta.get("ge"), meta.get("gt"), meta.get("le")
-    if value is None:
+    if value is None or isinstance(value, str):  # a word a number setting also takes (`auto`)
         return None
     if (ge is not None and value < ge) or (gt is not None and value <= gt):
         return f">= {ge}" if ge is not None else f"> {gt}"

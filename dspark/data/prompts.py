@@ -205,8 +205,9 @@ ONE_TURN_FORMATS = {
 
 
 def load_prompt_set(spec: str, tokenizer, max_prompts: int | None = None, max_length: int | None = None,
-                    max_new_tokens: int = 0) -> PromptSet:
-    """Read, render and filter one prompt set (see the module docstring)."""
+                    max_new_tokens: int = 0, sample_ids: list[int] | None = None) -> PromptSet:
+    """Read, render and filter one prompt set (see the module docstring). `sample_ids`: of a prepared folder,
+    these samples only (a run's validation split)."""
     name, path = parse_spec(spec)
     if max_prompts is not None and max_prompts < 1:
         raise InputError(f"--max-prompts {max_prompts} keeps no prompt", "pass a positive number, or omit it")
@@ -220,8 +221,10 @@ def load_prompt_set(spec: str, tokenizer, max_prompts: int | None = None, max_le
     pset = PromptSet(name, str(path), [], Counter(), longbench=kind == "longbench", limit=limit, format=kind)
     if kind in ONE_TURN_FORMATS:
         prompts = _one_turn(path, tokenizer, pset.dropped, kind)
+    elif kind == "prepared":
+        prompts = _prepared(path, tokenizer, pset.dropped, sample_ids)
     else:
-        prompts = {"prepared": _prepared, "chat": _chat}[kind](path, tokenizer, pset.dropped)
+        prompts = _chat(path, tokenizer, pset.dropped)
     for prompt in prompts:
         if limit is not None and prompt.length > limit:
             pset.dropped[too_long_reason(max_length, max_new_tokens)] += 1
@@ -306,7 +309,7 @@ def _one_turn(path: Path, tokenizer, dropped: Counter, kind: str) -> Iterator[Pr
                          turns)
 
 
-def _prepared(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
+def _prepared(path: Path, tokenizer, dropped: Counter, sample_ids: list[int] | None = None) -> Iterator[Prompt]:
     import numpy as np
 
     from dspark.verifier.fingerprint import tokenizer_hash
@@ -317,7 +320,7 @@ def _prepared(path: Path, tokenizer, dropped: Counter) -> Iterator[Prompt]:
     if str(source) and source.is_dir() and tokenizer_hash(source) != data.tokenizer_hash:
         raise InputError(f"{path} was prepared with another tokenizer than {source}'s",
                          "evaluate with the verifier the data was prepared for, or prepare it again with this one")
-    for i in range(len(data)):
+    for i in range(len(data)) if sample_ids is None else sample_ids:
         ids, mask = data.sample(i)
         supervised = np.flatnonzero(mask)
         if not len(supervised):

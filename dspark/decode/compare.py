@@ -94,13 +94,25 @@ def load_rows(cfg: CompareConfig) -> tuple[list[Row], str]:
     return rows, verifier
 
 
+def _calibration_run(rows: list[Row]):
+    """The run whose validation split calibrates (the first drafter trained in a run folder), or None."""
+    from dspark.train.config import TrainConfig
+
+    for r in rows:
+        if r.checkpoint is not None and (r.checkpoint.parent.parent / "config.json").exists():
+            return TrainConfig.load(r.checkpoint.parent.parent)
+    return None
+
+
 def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from tqdm import tqdm
 
+    from dspark.decode import cost
     from dspark.decode.loop import autoregressive, prefill_each, speculative
     from dspark.decode.ngram import NgramDrafter
     from dspark.data.prompts import context_bucket, load_prompt_set
     from dspark.decode.report import by_subdomain, summarize
+    from dspark.decode.run import FIXED_N, calibrate, verification_row
     from dspark.decode.verifier import Verifier
     from dspark.core.report import write_report
     from dspark.data.prepare import load_tokenizer
@@ -119,23 +131,54 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     banned = eos if cfg.ignore_eos else set()
     kw = dict(sampling=cfg, eos=eos)
     room = max(r.drafter.slots for r in rows)
-    sets = []
-    for spec in cfg.prompts:
-        ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + room)
+    drafters = {r.name: r.drafter for r in rows}
+    prompt_sets = [load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + room)
+                   for spec in cfg.prompts]
+
+    def decode(ps, policies=None, label=None):
+        """Every prompt of `ps` by the verifier alone and each drafter (with its policy of `policies`)."""
         traces: dict[str, list] = defaultdict(list)
-        keys = []  # (sub-domain, context bucket) per prompt
-        for i, prompt in enumerate(tqdm(ps.prompts, desc=f"compare {ps.name}", unit="prompt", disable=not progress)):
+        for i, prompt in enumerate(tqdm(ps.prompts, desc=f"{label or 'compare'} {ps.name}", unit="prompt",
+                                        disable=not progress)):
             ids = list(prompt.ids)
             seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
-            pres = prefill_each(verifier, [None, *(r.drafter for r in rows)], ids, banned)
-            traces["verifier"].append(autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(),
-                                                     prefilled=pres[0], **kw))
-            for r, pre in zip(rows, pres[1:]):
-                traces[r.name].append(speculative(verifier, r.drafter, ids, cfg.max_new_tokens, gen=seeded(),
-                                                  prefilled=pre, **kw))
-            keys.append((prompt.subdomain, context_bucket(prompt.length) if ps.longbench else None))
+            pres = prefill_each(verifier, [None, *drafters.values()], ids, banned)
+            alone = autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pres[0], **kw)
+            traces["verifier"].append(alone)
+            for (name, drafter), pre in zip(drafters.items(), pres[1:]):
+                traces[name].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(),
+                                                prefilled=pre, **kw))
+                for label_, policy in (policies or {}).get(name, {}).items():
+                    traces[(name, label_)].append(
+                        alone if isinstance(policy, cost.FixedK) and policy.k == 0 else
+                        speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), verify=policy,
+                                    prefilled=pre, **kw))
+        return traces
+
+    policies: dict[str, dict] = {r.name: {} for r in rows}
+    profile = chosen = None
+    first = next((list(ps.prompts[0].ids) for ps in prompt_sets if ps.prompts), None)
+    if cfg.verification.cost_model and first is not None:
+        lengths = [p.length for ps in prompt_sets for p in ps.prompts]
+        contexts = cost.profile_contexts(lengths, cfg.max_new_tokens, verifier.max_length and verifier.max_length - room)
+        profile = cost.profile(verifier, drafters, first, contexts, room, cfg.verification.profile_repeats, cfg)
+        chosen = calibrate(cfg, _calibration_run(rows), drafters, verifier, tokenizer, eos, room, progress,
+                           lambda ps: {k: v for k, v in decode(ps, label="calibrate").items() if k != "verifier"})
+        if chosen is not None:
+            chosen["context"] = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
+            chosen["k"] = {name: cost.best_fixed_k(reach, profile, name, chosen["context"])
+                           for name, reach in chosen["reach"].items()}
+        for r in rows:
+            if chosen is not None:
+                policies[r.name][cost.FixedK.label] = cost.FixedK(chosen["k"][r.name])
+            if r.drafter.confidence is not None:
+                policies[r.name][cost.CostDriven.label] = cost.CostDriven(profile, r.name)
+    sets = []
+    for ps in prompt_sets:
+        traces = decode(ps, policies)
         if not ps.prompts:
             continue
+        keys = [(p.subdomain, context_bucket(p.length) if ps.longbench else None) for p in ps.prompts]
         alone = traces["verifier"]
         base = sum(len(t.tokens) for t in alone) / sum(t.seconds for t in alone)
         entry = {**ps.summary(), "verifier_only_tokens_per_s": base, "drafters": {}}
@@ -147,12 +190,16 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
             entry["drafters"][r.name] = {
                 **s, "speedup": s["tokens_per_s"] / base,
                 "by_subdomain": by_subdomain(groups, n) if any(g != "-" for g, _ in groups) else {},
-                "outputs_equal_verifier_only": sum(a.tokens == b.tokens for a, b in zip(traces[r.name], alone))}
+                "outputs_equal_verifier_only": sum(a.tokens == b.tokens for a, b in zip(traces[r.name], alone)),
+                "verification": {label: verification_row(summarize(traces[(r.name, label)] if label != FIXED_N
+                                                                   else traces[r.name], n), base)
+                                 for label in [FIXED_N, *policies[r.name]]}}
         sets.append(entry)
     if not sets:
         raise InputError("no prompt could be decoded: every one is beyond the verifier's maximum length",
                          "pass shorter prompts or a lower --max-new-tokens")
     result = {"verifier": verifier_path, "config": asdict(cfg), "captured_layers": layers,
+              "cost_profile": profile and profile.to_dict(), "calibration": chosen,
               "drafters": [{"name": r.name, "kind": r.kind, "folder": r.folder, "params": r.params,
                             "num_speculative_tokens": r.drafter.num_speculative_tokens,
                             "train_steps": r.train_steps, "train_s": r.train_s} for r in rows],
@@ -200,6 +247,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {name} | {' | '.join(rates)} | {_length(s)} | "
                          f"{s['drafted_steps']} of {s['drafts']} | {s['mean_acceptance_length_drafted']:.2f} | "
                          f"{s['drafted_tokens_per_s']:.0f} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x |")
+    lines += _verification_lines(result)
     subs = [ds for ds in result["datasets"] if any(s["by_subdomain"] for s in ds["drafters"].values())]
     if subs:
         names = list(result["datasets"][0]["drafters"])
@@ -216,6 +264,32 @@ def markdown(result: dict) -> str:
               "are not independent draws): two drafters closer than about twice it are not told apart by these "
               "prompts."]
     return "\n".join(lines) + "\n"
+
+
+def _verification_lines(result: dict) -> list[str]:
+    """Per set and drafter: every draft verified (fixed N), the best fixed k, cost-driven (a confidence head)."""
+    from dspark.decode.report import profile_lines
+
+    if not result.get("cost_profile"):
+        return []
+    lines = profile_lines(result["cost_profile"])
+    chosen = result.get("calibration")
+    if chosen:
+        ks = ", ".join(f"{name} {k}" for name, k in chosen["k"].items())
+        lines += ["", f"Best fixed k per drafter ({ks}; 0: the verifier alone), each from its acceptance on "
+                  f"{chosen['set']['prompts']} calibration prompts ({chosen['set']['name']}, never a reported set) "
+                  f"and the costs above at {chosen['context']} tokens of context."]
+    else:
+        lines += ["", "No best fixed k: no drafter comes from a run folder whose validation split could calibrate it "
+                  "(pass --calibration-prompts)."]
+    lines += ["", "| dataset | drafter | verification | mean length | drafts verified/step | tok/s | speedup |",
+              "|---|---|---|---:|---:|---:|---:|"]
+    for ds in result["datasets"]:
+        for name, s in ds["drafters"].items():
+            for label, v in s.get("verification", {}).items():
+                lines.append(f"| {ds['name']} | {name} | {label} | {v['mean_acceptance_length']:.2f} | "
+                             f"{v['verified_per_step']:.2f} | {v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |")
+    return lines
 
 
 def plot(result: dict, path: Path, title: str) -> None:

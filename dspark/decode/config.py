@@ -35,6 +35,20 @@ class PromptLookupConfig:
 
 
 @dataclass
+class VerificationConfig:
+    """How many drafts a step verifies, beside fixed N: from costs measured before decoding (decode/cost.py)."""
+
+    cost_model: bool = setting(True, "Profile the verifier's check of k tokens and each drafter's proposal on this "
+                                     "machine, then also decode with the best fixed k and, for a drafter with a "
+                                     "confidence head, cost-driven verification (vLLM's adaptive verification).")
+    calibration_prompts: str | None = setting(
+        None, "[NAME=]PATH: prompts the best fixed k is chosen on, from each drafter's acceptance there (default: the "
+              "validation split of the run's prepared data); never one of the reported sets.", metavar="[NAME=]PATH")
+    calibration_max_prompts: int = setting(8, "Calibration prompts decoded.", ge=1, le=10_000)
+    profile_repeats: int = setting(5, "Timings per measured cost (their median counts).", ge=1, le=1000)
+
+
+@dataclass
 class SamplingConfig:
     max_prompts: int | None = setting(20, "Prompts per set.", ge=1)
     max_new_tokens: int = setting(64, ge=1)
@@ -53,6 +67,17 @@ def _check_prompt_names(specs: list[str]) -> None:
         raise InputError(f"two --prompts sets are named {', '.join(twice)}", "name each one: --prompts NAME=PATH")
 
 
+def _check_calibration(specs: list[str], verification: VerificationConfig) -> None:
+    """Prompt names told apart, and the calibration set none of the reported ones (held out means held out)."""
+    _check_prompt_names(specs)
+    if verification.calibration_prompts:
+        path = parse_spec(verification.calibration_prompts)[1].resolve()
+        if any(parse_spec(spec)[1].resolve() == path for spec in specs):
+            raise InputError(f"--calibration-prompts {verification.calibration_prompts} is also a reported --prompts "
+                             "set: a draft count chosen on it would be tuned on what it reports",
+                             "calibrate on other prompts, such as the validation split of the run's data (the default)")
+
+
 @dataclass
 class DecodeOptions(SamplingConfig):
     """How `eval --decode` decodes: on which prompts, in which layout, with which confidence cut."""
@@ -65,7 +90,8 @@ class DecodeOptions(SamplingConfig):
                                             "as vLLM V1's `method: dflash` would serve this checkpoint.")
     num_speculative_tokens: int | None = setting(None, "dflash-v1 only.", ge=1)
     confidence_threshold: float | None = setting(
-        0.5, "Also decode with blocks cut where the confidence head's running survival falls below this.", gt=0)
+        None, "Also decode with blocks cut where the confidence head's running survival falls below this.", gt=0)
+    verification: VerificationConfig = setting(factory=VerificationConfig, prefixed=False)
 
 
 @dataclass
@@ -78,7 +104,7 @@ class DecodeConfig(DecodeOptions):
         if self.confidence_threshold is not None and not 0 < self.confidence_threshold <= 1:
             raise InputError(f"--confidence-threshold {self.confidence_threshold} is not in (0, 1]",
                              "pass a survival probability such as 0.5")
-        _check_prompt_names(self.prompts)
+        _check_calibration(self.prompts, self.verification)
         if self.num_speculative_tokens is not None and self.layout == DSPARK_LAYOUT:
             raise InputError("--num-speculative-tokens applies to --layout dflash-v1 only",
                              "drop it: the dspark layout drafts what the checkpoint was trained to draft")
@@ -99,6 +125,7 @@ class CompareConfig(SamplingConfig):
     ngram: bool = setting(True, "Add prompt lookup (vLLM's `method: ngram`) as a row: the no-training baseline.")
     ngram_tokens: int = setting(NGRAM_TOKENS, "Drafts per prompt-lookup step (vLLM's num_speculative_tokens).", ge=1)
     lookup: PromptLookupConfig = setting(factory=PromptLookupConfig, prefixed=False)
+    verification: VerificationConfig = setting(factory=VerificationConfig, prefixed=False)
     output: str = setting("compare", "Folder for compare.json/.md/.png.")
 
     def validate(self) -> CompareConfig:
@@ -114,5 +141,5 @@ class CompareConfig(SamplingConfig):
         if len(set(names)) < len(names) or (self.ngram and "ngram" in names):
             raise InputError(f"two drafters are named alike in {names + ['ngram'] * self.ngram}",
                              "give each --drafter its own NAME (`ngram` is prompt lookup's)")
-        _check_prompt_names(self.prompts)
+        _check_calibration(self.prompts, self.verification)
         return self

@@ -178,8 +178,9 @@ class Drafter:
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, anchor: int, sampling: SamplingConfig,
-                generator: torch.Generator | None = None) -> Proposal:
-        """Draft `num_speculative_tokens` after `anchor`, given the context of the positions before it.
+                generator: torch.Generator | None = None, max_drafts: int | None = None) -> Proposal:
+        """Draft `num_speculative_tokens` after `anchor`, given the context of the positions before it (a block in
+        one forward: `max_drafts` saves nothing, the step verifies fewer).
 
         At temperature 0 drafts are argmaxes and need no probabilities. Otherwise `sampling.draft_sample`
         says how: `probabilistic` samples each slot at the temperature, and `greedy` (vLLM's default

@@ -49,6 +49,7 @@ class Eagle3Context:
 
 class Eagle3Drafter:
     confidence = None
+    sequential = True  # a draft costs a layer call: k drafts cost about k times one (decode/cost.py)
 
     def __init__(self, model, num_speculative_tokens: int | None = None):
         self.model = model
@@ -97,19 +98,21 @@ class Eagle3Drafter:
 
     @torch.no_grad()
     def propose(self, ctx: Eagle3Context, anchor: int, sampling: SamplingConfig,
-                generator: torch.Generator | None = None) -> Proposal:
+                generator: torch.Generator | None = None, max_drafts: int | None = None) -> Proposal:
+        """Up to `num_speculative_tokens` drafts after `anchor` (`max_drafts`: fewer, each one a layer call less)."""
         n = ctx.length
+        count = self.num_speculative_tokens if max_drafts is None else min(max_drafts, self.num_speculative_tokens)
         new = torch.tensor([*ctx.tokens[ctx.pairs + 1:], anchor], device=self.device)  # t_{i+1} for i = pairs..n-1
         h = self._layers(ctx, new, ctx.fused[ctx.pairs:n], ctx.pairs + 1)
         ctx.pairs = n  # the anchor is the verifier's: these pairs are verified
         logits, feed = self._head(h[-1:])
         tokens, probs = [], []
-        for k in range(self.num_speculative_tokens):
+        for k in range(count):
             token, p = sample_draft(self.model, logits[0], sampling.temperature, sampling.draft_sample, generator)
             tokens.append(token)
             if p is not None:
                 probs.append(p)
-            if k + 1 < self.num_speculative_tokens:
+            if k + 1 < count:
                 logits, feed = self._head(self._layers(ctx, token.view(1), feed, n + 1 + k))
         _crop(ctx.cache, n)  # the drafted entries go
         return Proposal(torch.stack(tokens), torch.stack(probs) if probs else None, None)

@@ -35,6 +35,7 @@ class Trace:
     tokens: list[int]
     verified: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    confidence: list[list[float]] = field(default_factory=list)  # per step, the confidence head's (if it has one)
     draft_s: float = 0.0    # drafter: proposals and the context it keeps
     verify_s: float = 0.0   # verifier forwards after the prompt's
     prefill_s: float = 0.0  # the verifier's forward over the prompt (shared: see the module docstring)
@@ -148,11 +149,6 @@ def accept(logits: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor
     return a, _resample(c_prev * p[a] - q[a], p[a], gen)
 
 
-def confident_prefix(confidence: torch.Tensor, threshold: float) -> int:
-    """Drafts worth verifying: the prefix whose survival (running product of confidences) stays >= threshold."""
-    return int((confidence.double().cumprod(0) >= threshold).sum())
-
-
 def _first_token(logits: torch.Tensor, temperature: float, gen) -> int:
     return int(logits.argmax()) if temperature == 0 else _sample(_probs(logits, temperature), gen)
 
@@ -166,10 +162,11 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
 
 
 def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new: int, *, sampling: SamplingConfig,
-                eos: set[int] = frozenset(), confidence_threshold: float | None = None,
-                gen: torch.Generator | None = None, prefilled: Prefill | None = None) -> Trace:
+                eos: set[int] = frozenset(), verify=None, gen: torch.Generator | None = None,
+                prefilled: Prefill | None = None) -> Trace:
     """Decode up to `max_new` tokens of `prompt` as `sampling` says (its temperature, draft_sample, rejection and
-    ignore_eos; the count is the caller's: a warm-up decodes a few). `prefilled`: this prompt's
+    ignore_eos; the count is the caller's: a warm-up decodes a few). `verify`: how many of a proposal's drafts
+    a step verifies (decode/cost.py's policies; None: all of them). `prefilled`: this prompt's
     `prefill(verifier, drafter, ...)`, reused instead of another."""
     temperature = sampling.temperature
     # vLLM's ignore_eos: stop tokens are never sampled
@@ -182,10 +179,10 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
         t = time.perf_counter()
-        prop = drafter.propose(ctx, anchor, sampling, gen)
-        n = len(prop.tokens)
-        if confidence_threshold is not None and prop.confidence is not None:
-            n = confident_prefix(prop.confidence, confidence_threshold)
+        prop = drafter.propose(ctx, anchor, sampling, gen, max_drafts=verify and verify.max_drafts)
+        n = len(prop.tokens) if verify is None else verify(prop, verifier.length)
+        if prop.confidence is not None:
+            trace.confidence.append(prop.confidence.tolist())
         drafts = prop.tokens[:n]
         t1 = time.perf_counter()
         base = verifier.length

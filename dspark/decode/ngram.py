@@ -69,9 +69,10 @@ class NgramDrafter:
         ctx.tokens += list(tokens)
 
     def propose(self, ctx: NgramContext, anchor: int, sampling: SamplingConfig,
-                generator: torch.Generator | None = None) -> Proposal:
-        drafts = torch.tensor(lookup([*ctx.tokens, anchor], self.min_n, self.max_n, self.num_speculative_tokens,
-                                     self.max_len), dtype=torch.long)
+                generator: torch.Generator | None = None, max_drafts: int | None = None) -> Proposal:
+        k = self.num_speculative_tokens if max_drafts is None else min(max_drafts, self.num_speculative_tokens)
+        drafts = torch.tensor(lookup([*ctx.tokens, anchor], self.min_n, self.max_n, k, self.max_len),
+                              dtype=torch.long)
         # vLLM verifies n-gram drafts as one-hot draft distributions (it has no probabilities for them)
         probs = torch.nn.functional.one_hot(drafts, self.vocab_size).float() if sampling.temperature > 0 else None
         return Proposal(drafts, probs, None)

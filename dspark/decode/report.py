@@ -99,8 +99,10 @@ def tracked(result: dict) -> dict[str, float]:
         out.update({f"{pre}/mean_acceptance_length": s["mean_acceptance_length"], f"{pre}/speedup": d["speedup"],
                     f"{pre}/tokens_per_s": s["tokens_per_s"]})
         out.update({f"{pre}/position_{p['position']}_rate": p["rate"] for p in s["positions"]})
-        if "confident" in d:
-            out[f"{pre}/confident/mean_acceptance_length"] = d["confident"]["mean_acceptance_length"]
+        for label, v in d.get("verification", {}).items():
+            key = label.replace(" ", "_").replace("-", "_")
+            out.update({f"{pre}/{key}/mean_acceptance_length": v["mean_acceptance_length"],
+                        f"{pre}/{key}/speedup": v["speedup"]})
         out.update({f"{pre}/{sub}/mean_acceptance_length": v["mean_acceptance_length"]
                     for sub, v in d["by_subdomain"].items()})
     return out
@@ -142,16 +144,7 @@ def markdown(result: dict) -> str:
         expected = s["mean_acceptance_length"] * alone / max(s["ms_per_draft"] + s["ms_per_verify"], 1e-9)
         lines.append(f"| {d['name']} | {s['ms_per_draft']:.1f} | {s['ms_per_verify']:.1f} | {alone:.1f} | "
                      f"{expected:.2f}x | {d['speedup']:.2f}x |")
-    confident = [d for d in result["datasets"] if d.get("confident")]
-    if confident:
-        lines += ["", f"With the confidence head stopping each block where the running product of its "
-                  f"confidences falls below {result['confidence_threshold']} (fewer drafts verified):", "",
-                  f"| dataset | drafts | verified drafts/step | {pos} | mean length | tok/s |",
-                  "|---|---:|---:|" + "---:|" * n + "---:|---:|"]
-        for d in confident:
-            s = d["confident"]
-            lines.append(f"| {d['name']} | {s['drafts']} | {s['draft_tokens'] / max(s['drafts'], 1):.2f} | "
-                         f"{_rates(s)} | {s['mean_acceptance_length']:.2f} | {s['tokens_per_s']:.1f} |")
+    lines += verification_lines(result)
     if result.get("long_context"):
         lines += ["", "Long context: mean acceptance length by sub-domain and prompt length (tokens):", ""]
         buckets = result["long_buckets"]
@@ -167,6 +160,70 @@ def markdown(result: dict) -> str:
                   f"| teacher-forced, analytic 1-TV (tau analytic) | {tf['tau_analytic']:.2f} |"]
         lines += [f"| decoded, {d['name']} | {d['decoded']['mean_acceptance_length']:.2f} |" for d in result["datasets"]]
     return "\n".join(lines) + "\n"
+
+
+def profile_lines(profile: dict | None, drafters: dict[str, int] | None = None) -> list[str]:
+    """The measured costs as a table: the verifier's forward over k tokens per profiled context, each drafter's
+    proposal."""
+    if not profile:
+        return []
+    ks = range(1, len(profile["check_ms"][0]) + 1)
+    lines = ["", f"Measured on this machine before decoding (median of {profile['repeats']}; {profile['seconds']:.0f} s): "
+             "the verifier's forward over k tokens (the anchor and k - 1 drafts), in ms, per context length:", "",
+             "| context | " + " | ".join(str(k) for k in ks) + " |", "|---:|" + "---:|" * len(ks)]
+    for c, row in zip(profile["contexts"], profile["check_ms"]):
+        lines.append(f"| {c} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
+    lines += ["", "| drafter | ms per proposal |", "|---|---|"]
+    for name, ms in profile["draft_ms"].items():
+        per = f"{ms[0]:.1f}" if len(ms) == 1 else ", ".join(f"{x:.1f}" for x in ms) + " (1, 2, ... drafts)"
+        lines.append(f"| {name} | {per} |")
+    return lines
+
+
+def verification_lines(result: dict) -> list[str]:
+    """Fixed N, the best fixed k and cost-driven verification side by side per set; the confidence head's
+    calibration; the draft count recommended for serving."""
+    sets = [d for d in result["datasets"] if d.get("verification")]
+    if not sets or len(sets[0]["verification"]) < 2:
+        return []
+    lines = profile_lines(result.get("cost_profile"))
+    chosen = result.get("calibration")
+    if chosen:
+        k = chosen["k"][next(iter(chosen["k"]))]
+        lines += ["", f"The best fixed k ({k}{': the verifier alone' if k == 0 else ''}) maximises the expected tokens "
+                  f"per second with the acceptance measured on {chosen['set']['prompts']} calibration prompts "
+                  f"({chosen['set']['name']}, never a reported set) at {chosen['context']} tokens of context. "
+                  "Cost-driven verification chooses per step from the confidence head (vLLM's adaptive verification, "
+                  "with these costs)."]
+    lines += ["", "| dataset | verification | mean length | drafts verified/step | tok/s | speedup |",
+              "|---|---|---:|---:|---:|---:|"]
+    for d in sets:
+        for label, v in d["verification"].items():
+            lines.append(f"| {d['name']} | {label} | {v['mean_acceptance_length']:.2f} | {v['verified_per_step']:.2f} | "
+                         f"{v['tokens_per_s']:.1f} | {v['speedup']:.2f}x |")
+    cal = [d for d in sets if d.get("confidence_calibration")]
+    if cal:
+        lines += ["", "The confidence head against the verifier (fixed N): predicted survival (running product of its "
+                  "confidences, mean over steps) against the share of steps accepting that far, and its output against "
+                  "the share accepted among the steps that reached the position:", "",
+                  "| dataset | position | predicted survival | observed | predicted conditional | observed |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for d in cal:
+            for r in d["confidence_calibration"]:
+                if r["position"] > 1 and max(r["predicted_survival"], r["observed_survival"]) < 0.005:
+                    break  # the rest is nothing against nothing
+                lines.append(f"| {d['name']} | {r['position']} | {r['predicted_survival']:.3f} | "
+                             f"{r['observed_survival']:.3f} | {_cell(r['predicted_conditional'])} | "
+                             f"{_cell(r['observed_conditional'])} |")
+    rec = result.get("recommendation")
+    if rec:
+        flag = ", enable_adaptive_verification: true" if rec.get("enable_adaptive_verification") else ""
+        lines += ["", f"**Serve with num_speculative_tokens {rec['num_speculative_tokens']}{flag}**: {rec['why']}."]
+    return lines
+
+
+def _cell(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
 
 
 def long_context_rows(sets: list[dict], buckets: list[str]) -> list[dict]:
@@ -199,10 +256,11 @@ def plot(result: dict, path: Path, title: str) -> None:
         s = d["decoded"]
         a.plot([p["position"] for p in s["positions"]], [p["rate"] for p in s["positions"]], marker="o",
                color=f"C{i}", label=f"{d['name']} ({s['mean_acceptance_length']:.2f})")
-        if d.get("confident"):
-            c = d["confident"]
-            a.plot([p["position"] for p in c["positions"]], [p["rate"] for p in c["positions"]], linestyle="--",
-                   marker=".", color=f"C{i}", label=f"{d['name']}, confidence stop ({c['mean_acceptance_length']:.2f})")
+        for label, style in (("cost-driven", "--"), ("best fixed k", ":")):
+            c = d.get("verification", {}).get(label)
+            if c:
+                a.plot([p["position"] for p in c["positions"]], [p["rate"] for p in c["positions"]], linestyle=style,
+                       marker=".", color=f"C{i}", label=f"{d['name']}, {label} ({c['mean_acceptance_length']:.2f})")
     a.set(xlabel="draft position", ylabel="acceptance rate (accepted / drafts)", ylim=(0, 1.02),
           title="decoded per-position acceptance (mean length)")
     a.legend(fontsize=7)

@@ -12,6 +12,9 @@ from dspark.decode.config import DecodeConfig
 from dspark.core.errors import InputError
 from dspark.core.report import EVAL_DIR
 
+FIXED_N = "fixed N"  # every draft verified: the decode every report has had
+DRAFTER = "drafter"  # the checkpoint's name in the cost profile
+
 
 def _sampling(cfg: DecodeConfig) -> str:
     if cfg.temperature == 0:
@@ -19,10 +22,12 @@ def _sampling(cfg: DecodeConfig) -> str:
     return f"temperature {cfg.temperature}, {cfg.draft_sample} drafts, {cfg.rejection} rejection sampling"
 
 
-def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_confidence: bool, progress: bool) -> dict:
-    """One prompt set: each prompt decoded speculatively, by the verifier alone, and with confidence cuts."""
+def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], policies: dict, progress: bool) -> dict:
+    """One prompt set: each prompt decoded by the verifier alone, speculatively verifying every draft (fixed N),
+    and once per `policies` entry (a label -> decode/cost.py policy: fewer drafts verified)."""
     from tqdm import tqdm
 
+    from dspark.decode.cost import FixedK, calibration
     from dspark.decode.loop import autoregressive, prefill, speculative
     from dspark.data.prompts import context_bucket
     from dspark.decode.report import by_subdomain, summarize
@@ -34,40 +39,83 @@ def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], use_conf
     for i, prompt in enumerate(tqdm(ps.prompts, desc=f"decode {ps.name}", unit="prompt", disable=not progress)):
         ids = list(prompt.ids)
         seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
-        # the prompt's forward once for all three decodes; each is charged its measured time (loop.py)
+        # the prompt's forward once for every decode; each is charged its measured time (loop.py)
         pre = prefill(verifier, drafter, ids, eos if cfg.ignore_eos else set())
-        runs["decoded"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre,
-                                           **kw))
-        runs["verifier_only"].append(autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre,
-                                                    **kw))
-        if use_confidence:
-            runs["confident"].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(),
-                                                 confidence_threshold=cfg.confidence_threshold, prefilled=pre,
-                                                 **kw))
-        by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(runs["decoded"][-1])
+        runs[FIXED_N].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre,
+                                         **kw))
+        alone = autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre, **kw)
+        runs["verifier_only"].append(alone)
+        for label, policy in policies.items():
+            if isinstance(policy, FixedK) and policy.k == 0:  # no draft pays: the verifier alone
+                runs[label].append(alone)
+                continue
+            runs[label].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), verify=policy,
+                                           prefilled=pre, **kw))
+        by_sub[(prompt.subdomain, context_bucket(prompt.length))].append(runs[FIXED_N][-1])
     entry = {**ps.summary(), "by_bucket": {}, "by_subdomain": {}, "too_long": dict(ps.too_long) if ps.longbench else {}}
-    if not runs["decoded"]:  # a LongBench set entirely beyond the verifier's length: only its buckets report
+    if not runs[FIXED_N]:  # a LongBench set entirely beyond the verifier's length: only its buckets report
         return entry
-    decoded = summarize(runs["decoded"], n_spec)
+    decoded = summarize(runs[FIXED_N], n_spec)
     alone = runs["verifier_only"]
     base_tokens, base_s = sum(len(t.tokens) for t in alone), sum(t.seconds for t in alone)
+    base_rate = base_tokens / base_s
     per_token = 1000 * sum(t.verify_s for t in alone) / max(base_tokens - len(alone), 1)  # after the prompt's
-    entry.update(decoded=decoded, speedup=decoded["tokens_per_s"] / (base_tokens / base_s),
-                 verifier_only={"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_tokens / base_s,
+    entry.update(decoded=decoded, speedup=decoded["tokens_per_s"] / base_rate,
+                 verifier_only={"tokens": base_tokens, "seconds": base_s, "tokens_per_s": base_rate,
                                 "ms_per_token": per_token})
+    entry["verification"] = {label: verification_row(summarize(runs[label], n_spec), base_rate)
+                             for label in [FIXED_N, *policies]}
     if ps.longbench:
         entry["by_bucket"] = {k: summarize(v, n_spec) for k, v in by_sub.items()}
     if any(sub is not None for sub, _ in by_sub):  # MT-bench categories, LongBench datasets: first-seen order
         entry["by_subdomain"] = by_subdomain([(sub, t) for (sub, _), ts in by_sub.items() for t in ts], n_spec)
     if cfg.temperature == 0:  # greedy speculative decoding must reproduce the verifier's own output
-        entry["outputs_equal_verifier_only"] = sum(a.tokens == b.tokens for a, b in zip(runs["decoded"], alone))
-    if use_confidence:
-        entry["confident"] = summarize(runs["confident"], n_spec)
+        entry["outputs_equal_verifier_only"] = sum(a.tokens == b.tokens for a, b in zip(runs[FIXED_N], alone))
+        entry["outputs_equal_verifier_only_per_policy"] = {
+            label: sum(a.tokens == b.tokens for a, b in zip(runs[label], alone)) for label in policies}
+    cal = calibration(runs[FIXED_N], n_spec)
+    if cal is not None:
+        entry["confidence_calibration"] = cal
     return entry
+
+
+def verification_row(summary: dict, base_rate: float) -> dict:
+    """A decode's summary with what a verification policy is judged by: drafts verified per step, speedup."""
+    return {**summary, "verified_per_step": summary["draft_tokens"] / max(summary["drafts"], 1),
+            "speedup": summary["tokens_per_s"] / base_rate}
+
+
+def calibrate(cfg: DecodeConfig, run, drafter, verifier, tokenizer, eos: set[int], room: int, progress: bool,
+              decode) -> dict | None:
+    """Each drafter's per-position reach on the calibration prompts (--calibration-prompts, else the validation split
+    of the run's prepared data), decoded verifying every draft: what a fixed k is chosen from. None: no such set.
+    `decode(ps) -> {name: traces}` decodes a set with every drafter."""
+    from dspark.data.prompts import load_prompt_set
+    from dspark.decode.cost import reach_rates
+    from dspark.train.data import split_ids
+
+    v = cfg.verification
+    if v.calibration_prompts:
+        spec, ids = v.calibration_prompts, None
+    elif run is not None:
+        from dspark.data.prepare import PreparedData
+
+        spec = f"validation={run.data_path}"
+        ids = split_ids(len(PreparedData(run.data_path)), run.train_data_ratio, run.seed)[1]
+    else:
+        return None
+    ps = load_prompt_set(spec, tokenizer, v.calibration_max_prompts, verifier.max_length,
+                         cfg.max_new_tokens + room, sample_ids=ids)
+    traces = decode(ps)
+    return {"set": ps.summary(), "reach": {name: reach_rates(ts, drafter[name].num_speculative_tokens)
+                                           for name, ts in traces.items()}}
 
 
 def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
                progress: bool = True) -> tuple[dict, Path]:
+    from tqdm import tqdm
+
+    from dspark.decode import cost
     from dspark.decode.drafter import drafter_for
     from dspark.decode.loop import autoregressive, speculative
     from dspark.data.prompts import LONG_BUCKETS, load_prompt_set
@@ -96,23 +144,46 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     verifier = Verifier(verifier_path, model.target_layer_ids, cfg.dtype, device)
     tokenizer = load_tokenizer(verifier_path)
     eos = {tokenizer.eos_token_id} - {None}
-    use_confidence = cfg.confidence_threshold is not None and drafter.confidence is not None
+    n_spec = drafter.num_speculative_tokens
+    sets = [load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + drafter.slots)
+            for spec in specs]
+    first = next((list(ps.prompts[0].ids) for ps in sets if ps.prompts), None)
+    if first is not None:  # one-time costs (allocator, kernels' first calls) stay out of the timings
+        speculative(verifier, drafter, first[:64], 4, sampling=cfg)  # a short prompt will do
+        autoregressive(verifier, first[:64], 4, sampling=cfg)
 
-    datasets, warm = [], False
-    for spec in specs:
-        ps = load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + drafter.slots)
-        if ps.prompts and not warm:  # one-time costs (allocator, kernels' first calls) stay out of the timings
-            speculative(verifier, drafter, list(ps.prompts[0].ids)[:64], 4, sampling=cfg)  # a short prompt will do
-            autoregressive(verifier, list(ps.prompts[0].ids)[:64], 4, sampling=cfg)
-            warm = True
-        datasets.append(decode_set(cfg, ps, verifier, drafter, eos, use_confidence, progress))
+    policies, profile, chosen = {}, None, None
+    if cfg.verification.cost_model and first is not None:
+        lengths = [p.length for ps in sets for p in ps.prompts]
+        contexts = cost.profile_contexts(lengths, cfg.max_new_tokens, verifier.max_length and
+                                         verifier.max_length - drafter.slots)
+        profile = cost.profile(verifier, {DRAFTER: drafter}, first, contexts, n_spec + 1,
+                               cfg.verification.profile_repeats, cfg)
+
+        def decode(ps):
+            return {DRAFTER: [speculative(verifier, drafter, list(p.ids), cfg.max_new_tokens, sampling=cfg, eos=eos)
+                              for p in tqdm(ps.prompts, desc=f"calibrate {ps.name}", unit="prompt",
+                                            disable=not progress)]}
+
+        chosen = calibrate(cfg, run, {DRAFTER: drafter}, verifier, tokenizer, eos, drafter.slots, progress, decode)
+        median = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
+        if chosen is not None:
+            chosen["context"] = median
+            chosen["k"] = {DRAFTER: cost.best_fixed_k(chosen["reach"][DRAFTER], profile, DRAFTER, median)}
+            policies[cost.FixedK.label] = cost.FixedK(chosen["k"][DRAFTER])
+        if drafter.confidence is not None:
+            policies[cost.CostDriven.label] = cost.CostDriven(profile, DRAFTER)
+    if cfg.confidence_threshold is not None and drafter.confidence is not None:
+        policies[cost.ConfidenceCut.label] = cost.ConfidenceCut(cfg.confidence_threshold)
+    datasets = [decode_set(cfg, ps, verifier, drafter, eos, policies, progress) for ps in sets]
 
     long_sets = [d for d in datasets if d["by_bucket"] or d["too_long"]]
     result = {"checkpoint": str(ckpt), "verifier": str(verifier_path), "layout": cfg.layout,
-              "num_speculative_tokens": drafter.num_speculative_tokens, "sampling": _sampling(cfg),
-              "max_new_tokens": cfg.max_new_tokens,
-              "confidence_threshold": cfg.confidence_threshold if use_confidence else None,
-              "config": asdict(cfg), "datasets": [d for d in datasets if "decoded" in d],
+              "num_speculative_tokens": n_spec, "sampling": _sampling(cfg),
+              "max_new_tokens": cfg.max_new_tokens, "confidence_threshold": cfg.confidence_threshold,
+              "config": asdict(cfg), "cost_profile": profile and profile.to_dict(), "calibration": chosen,
+              "recommendation": recommend(_served_by(ckpt, cfg.layout), drafter, profile, chosen),
+              "datasets": [d for d in datasets if "decoded" in d],
               "long_buckets": LONG_BUCKETS, "long_context": long_context_rows(long_sets, LONG_BUCKETS)}
     if teacher_forced:
         result["teacher_forced"] = {k: teacher_forced[k] for k in ("tau_greedy", "tau_analytic")}
@@ -126,3 +197,43 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
     write_report(result, out, "decode", markdown, plot, f"{run_root.name}/{ckpt.name}: speculative decoding")
     log_results(ckpt, tracked(result), [out / "decode.png"])
     return result, out
+
+
+def _served_by(ckpt: Path, layout: str) -> tuple[str, bool]:
+    """(the vLLM method whose drafting this decode reproduced, whether that method sizes its steps adaptively):
+    the one serve-draft picks for the checkpoint, or V1's DFlash proposer's for the dflash-v1 layout."""
+    from dspark.kinds import kind_of
+    from dspark.train.checkpoint import read_config
+
+    config = read_config(ckpt)
+    kind = kind_of(config, f"{ckpt}/config.json")
+    method = kind.decoded_as(config, layout)
+    return method, kind.adaptive_verification and method == kind.vllm_method
+
+
+def recommend(served: tuple[str, bool], drafter, profile, chosen: dict | None) -> dict | None:
+    """The draft count to serve this checkpoint with under vLLM's `method`, from the same profile and calibration,
+    and why in one line (None: not measured). vLLM's DSpark proposer drafts its whole block; on a GPU its adaptive
+    verification sizes each step as the cost-driven decode here does."""
+    from dspark.decode import cost
+
+    if profile is None or chosen is None:
+        return None
+    method, adaptive = served
+    k, n, ctx = chosen["k"][DRAFTER], drafter.num_speculative_tokens, chosen["context"]
+    reach = chosen["reach"][DRAFTER]
+    shown = max(k, 1)
+    rates = cost.expected_rates(reach[:shown], [profile.draft(DRAFTER, j) for j in range(1, shown + 1)],
+                                [profile.check(j + 1, ctx) for j in range(shown + 1)])
+    why = (f"on this machine, at {ctx} tokens of context, a check of {shown + 1} tokens costs "
+           f"{profile.check(shown + 1, ctx):.1f} ms and a proposal {profile.draft(DRAFTER, shown):.1f} ms, against "
+           f"{profile.check(1, ctx):.1f} ms for the verifier's token alone; the calibration prompts accept "
+           f"{', '.join(f'{r:.2f}' for r in reach[:shown])} of steps through position{'s 1..' if shown > 1 else ' '}"
+           f"{shown}: " + (f"{k} drafts give the most tokens per second, {rates[k] / rates[0]:.2f}x the verifier alone"
+                           if k else f"the verifier alone is faster ({rates[1] / rates[0]:.2f}x with one draft)"))
+    out = {"num_speculative_tokens": k, "method": method, "why": why, "measured_at": chosen["context"]}
+    if adaptive and drafter.confidence is not None:
+        out.update(num_speculative_tokens=n, enable_adaptive_verification=True, fixed_k=k,
+                   why=f"vLLM's DSpark proposer drafts its block of {n} and, with enable_adaptive_verification (a GPU, "
+                       f"Model Runner V2), verifies per step what its confidences pay for; fixed, {why}")
+    return out

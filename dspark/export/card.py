@@ -155,6 +155,30 @@ def reports(ckpt: Path) -> tuple[list[tuple[str, str, dict, str, Path | None]], 
     return found, skipped
 
 
+def measured(ckpt: Path) -> dict | None:
+    """The draft count this checkpoint's own decode report recommends for serving (None: none measured)."""
+    found, _ = reports(ckpt)
+    return next((data.get("recommendation") for name, _, data, *_ in found if name == "decode"), None)
+
+
+def served_tokens(rec: dict | None, method: str, tokens: int) -> tuple[int, bool]:
+    """(num_speculative_tokens, adaptive verification) to serve `method` with: the measured ones where the
+    recommendation is for that method and names a count, else the checkpoint's `tokens`."""
+    if rec and rec["method"] == method and rec["num_speculative_tokens"]:
+        return rec["num_speculative_tokens"], bool(rec.get("enable_adaptive_verification"))
+    return tokens, False
+
+
+def _recommended_lines(rec: dict | None, method: str) -> list[str]:
+    if not rec:
+        return []
+    adaptive = ", `enable_adaptive_verification: true`" if rec.get("enable_adaptive_verification") else ""
+    used = " (the commands above use it)" if rec["method"] == method and rec["num_speculative_tokens"] else ""
+    return [f"**Measured draft count** for `method: {rec['method']}`: `num_speculative_tokens` "
+            f"{rec['num_speculative_tokens']}{adaptive}{used}. Why: {rec['why']}. `dspark serve-draft "
+            "--num-speculative-tokens auto` serves it.", ""]
+
+
 # --- the card -----------------------------------------------------------------------------------
 
 def _specs(config: dict, verifier: str, p: Provenance) -> list[tuple[str, str]]:
@@ -327,6 +351,8 @@ def render(ckpt: Path, config: dict, verifier: str, export_dir: Path) -> tuple[s
     n = weight_count(ckpt / "model.safetensors")
     kind = kind_of(config, f"{ckpt}/config.json")
     method = kind.vllm_method
+    rec = measured(ckpt)
+    tokens, adaptive = served_tokens(rec, method, tokens)
     lines = ["---", f"base_model: {verifier}", "tags:", "- speculators", "- dspark", "- speculative-decoding",
              "- draft-model", "---", "", f"# {kind.title} drafter for {verifier}", "",
              f"A speculative-decoding drafter for [`{verifier}`](https://huggingface.co/{verifier}) in the "
@@ -337,10 +363,11 @@ def render(ckpt: Path, config: dict, verifier: str, export_dir: Path) -> tuple[s
     lines += [f"| {k} | {v} |" for k, v in _specs(config, verifier, p)]
     first, *warning = serving_notes(config)
     lines += ["", "## Serving with vLLM", "", first, "",
-              "```bash", serve_command(verifier, "<drafter>", tokens, method), "```", "",
+              "```bash", serve_command(verifier, "<drafter>", tokens, method, adaptive), "```", "",
               "`<drafter>` is this folder (or its Hub id once uploaded). With Docker, this folder mounted at "
               "`/drafter`:", "",
-              "```bash", docker_command(verifier, "<export>", tokens, method), "```", ""]
+              "```bash", docker_command(verifier, "<export>", tokens, method, adaptive), "```", ""]
+    lines += _recommended_lines(rec, method)
     lines += [f"> {'**' if anchor else ''}{w}{'**' if anchor else ''}" for w in warning] + [""] * bool(warning)
     for other in kind.also_served_by(config):  # a DSpark drafter in DFlash's layout: `method: dflash` too
         lines += ["```bash", f"vllm serve {verifier} --speculative-config "

@@ -24,11 +24,11 @@ from pathlib import Path
 from dspark.core.errors import InputError
 from dspark.core.settings import setting
 from dspark.kinds import kind_of
-from dspark.export.card import FIGURES, render
-from dspark.export.serving import docker_command, serve_command, terminal_note
+from dspark.export.card import FIGURES, measured, render, served_tokens
+from dspark.export.serving import SERVING_FILE, docker_command, serve_command, terminal_note
 
 # The files export writes (besides the checkpoint's *.py): a rerun may rewrite them, --force overwrites them.
-EXPORT_FILES = {"config.json", "model.safetensors", "README.md", *FIGURES}
+EXPORT_FILES = {"config.json", "model.safetensors", "README.md", SERVING_FILE, *FIGURES}
 
 
 @dataclass
@@ -92,16 +92,23 @@ def export(checkpoint: str, output: str, verifier_name: str, force: bool = False
     for code in src.glob("*.py"):  # speculators' save_pretrained ships its config class beside config.json
         copy_atomic(code, out / code.name)
     write_atomic(out / "config.json", json.dumps(config, indent=2))
-    tokens = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    rec = measured(src)
+    tokens, adaptive = served_tokens(rec, method, config["speculators_config"]["proposal_methods"][0]
+                                     ["speculative_tokens"])
     card, figures = render(src, config, verifier_name, out)
     for name in FIGURES:  # a figure of an earlier export whose report no longer matches goes
         (out / name).unlink(missing_ok=True)
     for figure, name in figures:
         copy_atomic(figure, out / name)
+    if rec:  # what `serve-draft --num-speculative-tokens auto` serves it with
+        write_atomic(out / SERVING_FILE, json.dumps(rec, indent=2))
+    else:
+        (out / SERVING_FILE).unlink(missing_ok=True)  # an earlier export's, measured on another report
     write_atomic(out / "README.md", card)
     return {"export": str(out), "verifier": verifier_name,
-            "serve": serve_command(verifier_name, str(out), tokens, method),
-            "docker": docker_command(verifier_name, str(out.resolve()), tokens, method),
+            "serve": serve_command(verifier_name, str(out), tokens, method, adaptive),
+            "docker": docker_command(verifier_name, str(out.resolve()), tokens, method, adaptive),
             "note": terminal_note(config),
             "files": sorted(["config.json", "model.safetensors", "README.md", *(n for _, n in figures),
+                             *([SERVING_FILE] if rec else []),
                              *(p.name for p in src.glob("*.py"))])}

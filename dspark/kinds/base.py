@@ -54,6 +54,7 @@ class Kind:
     vllm_spec: dict = {}  # what its method's speculative config holds besides model, method and the token count
     vllm_env: dict = {}   # the environment `vllm serve` needs for its method (shown in the card's commands)
     tokens_note = ""      # after the model card's speculative-token count
+    adaptive_verification = False  # its method takes vLLM's enable_adaptive_verification (sized by its confidences)
 
     def __repr__(self) -> str:
         return f"<drafter kind {self.name}>"
@@ -103,6 +104,10 @@ class Kind:
     def auto_method(self, config: dict) -> str:
         """The method `serve-draft --method auto` serves the checkpoint with config.json `config` under."""
         return self.vllm_method
+
+    def decoded_as(self, config: dict, layout: str) -> str:
+        """The method whose drafting `eval --decode` in `layout` reproduces (what its measured draft count is for)."""
+        return self.auto_method(config)
 
     def also_served_by(self, config: dict) -> list[str]:
         """Other methods that serve the checkpoint correctly on every model runner (the card shows their config)."""

@@ -45,6 +45,9 @@ class DFlash(Kind):
         # but its first slot would see less than in training (measured: fewer drafts accepted than our loop)
         return {"sliding_window_non_causal": True}
 
+    def decoded_as(self, config, layout) -> str:
+        return self.auto_method(config) if layout == DSPARK_LAYOUT else DFlash.vllm_method  # V1's DFlash proposer
+
     def refuse_serving(self, method, runner, anchor, gpu, drafter) -> None:
         if method != DFlash.vllm_method or not anchor:
             return

@@ -30,6 +30,7 @@ class DSpark(DFlash):
     vllm_spec = {"draft_sample_method": "probabilistic", "rejection_sample_method": "block"}
     vllm_env = {RUNNER_ENV: "1"}  # only Model Runner V2 serves it: explicit, whatever the machine's default
     anchor_in_dflash_config = False
+    adaptive_verification = True  # vLLM PR 47808: `method: dspark` only, on Model Runner V2 (a GPU)
 
     def check(self, cfg) -> None:
         if cfg.confidence_head_with_markov and cfg.enable_confidence_head and cfg.markov_rank <= 0:

@@ -50,8 +50,9 @@ class ServeDraftConfig:
     method: Literal[("auto", *vllm_methods(), "ngram", "none")] = setting(
         "auto", "auto: the drafter decides (eagle3 for EAGLE-3; dflash for DFlash and --no-sample-from-anchor "
                 "checkpoints; dspark for the others, on a GPU); ngram: prompt lookup; none: the verifier alone.")
-    num_speculative_tokens: int | None = setting(
-        None, f"Drafts per step (default: the drafter's; ngram: {NGRAM_TOKENS}).", ge=1)
+    num_speculative_tokens: int | Literal["auto"] | None = setting(
+        None, f"Drafts per step (default: the drafter's; ngram: {NGRAM_TOKENS}); auto: the count `dspark eval --decode` "
+              "measured pays most on its machine (the export's serving.json, or RUN/latest/eval/decode.json).", ge=1)
     lookup: PromptLookupConfig = setting(factory=PromptLookupConfig, prefixed=False)
     host: str = setting("127.0.0.1", "Where vLLM listens.")
     port: int = setting(8000, "Where vLLM listens.", ge=1)
@@ -64,6 +65,9 @@ class ServeDraftConfig:
         check_settings(self)
         if self.method in ("ngram", "none") and self.drafter:
             raise InputError(f"--method {self.method} takes no --drafter", "drop --drafter, or use --method auto")
+        if self.num_speculative_tokens == "auto" and not self.drafter:
+            raise InputError("--num-speculative-tokens auto needs --drafter: the count is measured on a drafter",
+                             "pass --drafter EXPORT_FOLDER, or a number")
         if self.method not in ("ngram", "none") and not self.drafter:
             raise InputError(f"--method {self.method} needs --drafter", "pass --drafter EXPORT_FOLDER, or --method "
                                                                        "ngram / none for the baselines")
@@ -119,8 +123,7 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
         return "ngram", cfg.num_speculative_tokens or NGRAM_TOKENS, runner
     config = drafter_config(cfg.drafter)
     anchor = config.get("sample_from_anchor", True)
-    tokens = (cfg.num_speculative_tokens
-              or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    tokens = cfg.num_speculative_tokens or config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     # the kind decides (a config naming none is an export of dspark's default kind)
     kind = kind_of({"speculators_model_type": DEFAULT_KIND, **config}, f"{cfg.drafter}/config.json")
     auto = kind.auto_method(config)
@@ -132,6 +135,24 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
     return method, tokens, runner
 
 
+def measured_tokens(cfg: ServeDraftConfig, method: str) -> tuple[int, bool]:
+    """`--num-speculative-tokens auto`: (the measured count, adaptive verification) for `method`, or one line."""
+    from dspark.export.serving import recommendation
+
+    rec = recommendation(cfg.drafter)
+    measure = (f"measure it: dspark eval --checkpoint RUN/latest --decode --prompts [NAME=]PROMPTS, then export "
+               "again (or pass a number)")
+    if rec is None:
+        raise InputError(f"--num-speculative-tokens auto: {cfg.drafter} holds no measured draft count", measure)
+    if rec["method"] != method:
+        raise InputError(f"--num-speculative-tokens auto: {cfg.drafter}'s draft count was measured for method "
+                         f"{rec['method']}, not {method}", f"serve --method {rec['method']}, or pass a number")
+    if not rec["num_speculative_tokens"]:
+        raise InputError(f"--num-speculative-tokens auto: on the machine measured, no draft count beat the verifier "
+                         f"alone ({rec['why']})", "serve --method none, or pass a number")
+    return rec["num_speculative_tokens"], bool(rec.get("enable_adaptive_verification"))
+
+
 def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None, gpu: bool) -> dict:
     """The server's argv, the environment it adds (the model runner pinned), its /health URL, the speculative
     config."""
@@ -140,11 +161,13 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what serve-draft sets",
                          "pass it as serve-draft's own option, before `--`")
     method, tokens, runner = choose(cfg, gpu)
-    spec = None
+    spec, adaptive = None, False
+    if tokens == "auto":
+        tokens, adaptive = measured_tokens(cfg, method)
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
     elif method in vllm_methods():
-        spec = json.loads(speculative_config(drafter_copy or cfg.drafter, tokens, method))
+        spec = json.loads(speculative_config(drafter_copy or cfg.drafter, tokens, method, adaptive))
     command = [cfg.python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.verifier,
                "--host", cfg.host, "--port", str(cfg.port),
                *(["--dtype", cfg.dtype] if cfg.dtype else []),

