@@ -116,6 +116,88 @@ def test_unwritable_output(verifier, chat_file, tmp_path):
     assert r.exit_code == 2 and "not writable" in r.output
 
 
+# SmolLM2-135M-Instruct's chat template, as its GGUF carries it: a default system prompt where the
+# conversation does not open with a system turn (Qwen2.5's templates do the same).
+DEFAULT_SYSTEM_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# A ShareGPT V3 chunk: it opens with the reply to a question that stayed in the previous chunk.
+CHUNK = [{"role": "assistant", "content": "Here are the main ideas."},
+         {"role": "user", "content": "Spell cat."},
+         {"role": "assistant", "content": "c-a-t."}]
+
+
+@pytest.fixture
+def default_system(verifier, tmp_path):
+    """The toy verifier's tokenizer with `DEFAULT_SYSTEM_TEMPLATE`."""
+    folder = tmp_path / "default_system"
+    folder.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (folder / f).write_bytes((verifier / f).read_bytes())
+    (folder / "chat_template.jinja").write_text(DEFAULT_SYSTEM_TEMPLATE)
+    return folder
+
+
+def _supervised(tok, conversation) -> list[int]:
+    ids, mask = tokenize_conversation(tok, conversation, seq_length=10_000)
+    return [t for t, m in zip(ids, mask) if m]
+
+
+def test_an_opening_assistant_turn_and_the_templates_system_prompt_and_header_are_never_supervised(default_system):
+    tok = load_tokenizer(default_system)
+    text = tok.apply_chat_template(CHUNK, tokenize=False)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the template's own
+    ids, mask = tokenize_conversation(tok, CHUNK, seq_length=10_000)
+    # Exactly the second assistant turn with its end of turn, as the template renders it after its header.
+    reply = tok(text[text.rindex("c-a-t."):], add_special_tokens=False)["input_ids"]
+    assert [t for t, m in zip(ids, mask) if m] == reply
+    assert tok.decode(reply) == "c-a-t.<|im_end|>\n"
+    # Nothing before it: the default system prompt, the opening turn, the user turn, both assistant headers.
+    context = text[: text.rindex("c-a-t.")]
+    assert context.endswith("<|im_end|>\n<|im_start|>assistant\n") and context.count("<|im_start|>assistant\n") == 2
+    assert tok.decode(ids[: mask.index(1)]) == context
+    # The same conversation after a system turn: both replies answer something, and both are supervised.
+    with_system = [{"role": "system", "content": "Be brief."}, *CHUNK]
+    assert tok.decode(_supervised(tok, with_system)) == "Here are the main ideas.<|im_end|>\nc-a-t.<|im_end|>\n"
+    # After a user turn, the default system prompt and the header stay unsupervised as before.
+    assert tok.decode(_supervised(tok, [{"role": "user", "content": "Ideas?"}, *CHUNK])) == \
+        "Here are the main ideas.<|im_end|>\nc-a-t.<|im_end|>\n"
+
+
+def test_a_conversation_whose_only_assistant_turn_opens_it_is_dropped_and_counted(default_system, tmp_path):
+    opening_only = [CHUNK[:1], CHUNK[:2]]  # a reply alone; a reply and a question nobody answers
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in (QA, CHUNK, *opening_only)])
+    s = prepare(PrepareConfig(str(default_system), str(src), str(tmp_path / "p")), progress=False)
+    assert (s["conversations"], s["kept"], s["dropped_by_reason"]) == (4, 2, {"opening_assistant_only": 2})
+    assert s["unsupervised_turns"] == {"opening_assistant": 1}  # CHUNK's first turn: kept as context
+    tok = load_tokenizer(default_system)
+    d = PreparedData(tmp_path / "p")
+    assert d.sample(1)[0].tolist() == tokenize_conversation(tok, CHUNK, 2048)[0]  # the opening turn is in the sample
+    assert s["supervised_tokens"] == len(_supervised(tok, QA)) + len(_supervised(tok, CHUNK))
+    with pytest.raises(InputError, match=r"c.jsonl:3: its only assistant turn opens it .*\[opening_assistant_only\]"
+                                         r".*put the user turn that assistant turn answers before it"):
+        prepare(PrepareConfig(str(default_system), str(src), str(tmp_path / "q"), strict=True), progress=False)
+
+
+def test_minimum_valid_tokens_counts_a_conversations_supervised_tokens_not_each_turns(verifier, tmp_path):
+    tok = load_tokenizer(verifier)
+    _, mask = tokenize_conversation(tok, CONV, seq_length=10_000)
+    turns = np.diff(np.flatnonzero(np.diff(np.array([0, *mask, 0]))))[::2].tolist()  # each run's length
+    assert len(turns) == 2 and sum(turns) == sum(mask)
+    src = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONV}])
+    # Each turn is under the minimum, the conversation reaches it: kept, every turn supervised.
+    s = prepare(PrepareConfig(str(verifier), str(src), str(tmp_path / "p"), minimum_valid_tokens=sum(mask)),
+                progress=False)
+    assert max(turns) < sum(mask) and s["kept"] == 1 and s["supervised_tokens"] == sum(mask)
+    # One token more and it is dropped: the only conversation, so an error naming it and its count.
+    with pytest.raises(InputError, match=rf"c.jsonl:1: {sum(mask)} supervised tokens within --seq-length 2048, "
+                                         rf"fewer than --minimum-valid-tokens {sum(mask) + 1}"):
+        prepare(PrepareConfig(str(verifier), str(src), str(tmp_path / "q"), minimum_valid_tokens=sum(mask) + 1),
+                progress=False)
+
+
 def test_toy_pretraining_text_is_what_the_chat_template_renders(verifier):
     tok = load_tokenizer(verifier)
     by_hand = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in CONV)

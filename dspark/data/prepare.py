@@ -1,10 +1,10 @@
 """`dspark prepare`: chat JSONL -> token ids + an assistant-only loss mask.
 
-The loss mask comes from the model's own chat template: for each assistant turn
-we render the conversation up to the turn's generation prompt and up to the end
-of the turn; the characters in between are the assistant's, and the tokens that
-cover them are supervised. This works for any template with the usual prefix
-property, without `{% generation %}` markers.
+The loss mask comes from the model's own chat template: for each supervised assistant
+turn (`supervised_turns`: every one but a turn that opens the conversation) we render the
+conversation up to the turn's generation prompt and up to the end of the turn; the characters
+in between are the assistant's, and the tokens that cover them are supervised. This works for
+any template with the usual prefix property, without `{% generation %}` markers.
 
 Output folder (written to a temp folder, then renamed: never half-written):
   input_ids.npy  int32 [total_tokens]   all samples concatenated
@@ -51,7 +51,9 @@ ROLES = {
     "model": "assistant", "bot": "assistant", "ai": "assistant",  # Gemini-style and bot dumps
 }
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")
-PREPARE_FORMAT = 1
+# Raised when the loss mask a conversation gets changes, so a folder prepared before is prepared again
+# (2: an assistant turn that opens a conversation is context, no longer supervised with the template's header).
+PREPARE_FORMAT = 2
 RECORDED_FILES = ("input_ids.npy", "loss_mask.npy", "offsets.npy", "token_freq.pt")  # prepare.json records them
 PREPARED_FILES = ("prepare.json", *RECORDED_FILES)
 ARRAYS = {"input_ids.npy": np.int32, "loss_mask.npy": np.uint8, "offsets.npy": np.int64}
@@ -62,6 +64,7 @@ TIMEOUTS_BEFORE_GIVING_UP = 3
 # A million characters is ~250k tokens, beyond any context a drafter trains or decodes in.
 MAX_CONVERSATION_CHARS = 1_000_000
 OVER_MAX_CHARS = "over_max_chars"  # the drop reason
+OPENING_ASSISTANT_ONLY = "opening_assistant_only"  # the drop reason: no assistant turn but one that opens it
 
 
 @dataclass(frozen=True)
@@ -400,6 +403,9 @@ def _drop_fix(reason: str, strict: bool = False) -> str:
         return f"map the role with --role-map '{reason.split(':', 1)[1]}=assistant' (or =user, =system)"
     if reason == "below_minimum_valid_tokens":
         return "lower --minimum-valid-tokens or raise --seq-length"
+    if reason == OPENING_ASSISTANT_ONLY:
+        return ("put the user turn that assistant turn answers before it (a conversation's opening assistant turn "
+                "is context, never trained on)")
     if reason == "chat_template_error":
         return "fix that conversation, or use a model whose chat template accepts it"
     if reason == OVER_MAX_CHARS:
@@ -478,17 +484,27 @@ def _text(content, repaired: Counter) -> str:
     return text
 
 
+def supervised_turns(messages: list[dict]) -> list[int]:
+    """The turns the loss mask covers: every assistant turn but one that opens the conversation.
+
+    An assistant turn with nothing before it replies to a question the data does not hold (ShareGPT V3's
+    conversations split into chunks: 6,358 of its 17,528 open so). Trained on, the drafter would learn to
+    answer nothing, from the chat template's default system prompt alone; it stays in the sample as context
+    of the later turns. speculators 0.9.0 does the same (its rows start at the conversation's second turn).
+    An assistant turn after a system turn answers that turn, and is supervised.
+    """
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant" and i > 0]
+
+
 def tokenize_conversation(tokenizer, messages: list[dict], seq_length: int) -> tuple[list[int], list[int]]:
-    """Token ids and the assistant-only loss mask, truncated to `seq_length`."""
+    """Token ids and the loss mask of the `supervised_turns`, truncated to `seq_length`."""
     def render(msgs, gen_prompt=False) -> str:
         return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen_prompt)
 
     text = render(messages)
     spans = []
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        before, upto = render(messages[:i], gen_prompt=True) if i else "", render(messages[: i + 1])
+    for i in supervised_turns(messages):  # i > 0: the template's system prompt and header fall in `before`
+        before, upto = render(messages[:i], gen_prompt=True), render(messages[: i + 1])
         if not (text.startswith(upto) and upto.startswith(before)):
             raise InputError("the chat template does not render conversations prefix-wise, so "
                              "assistant tokens cannot be located", "use a template whose turns append")
@@ -569,7 +585,15 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool) -> dict:
     model = Path(cfg.model)
     tok = load_tokenizer(model, cfg.trust_remote_code)
     data = read_conversations(Path(cfg.data), cfg.role_map, cfg.strict, cfg.skip_invalid_lines)
-    convs = data.conversations
+    convs, wheres = [], []
+    for messages, where in zip(data.conversations, data.where):
+        if supervised_turns(messages):
+            convs.append(messages)
+            wheres.append(where)
+        else:
+            record_drop(data.dropped, data.first_drop, OPENING_ASSISTANT_ONLY,
+                        f"{where}: its only assistant turn opens it (a reply to a question the data does not hold)",
+                        cfg.strict)
     if not convs:
         _all_dropped(cfg, data)
     key = {"format": PREPARE_FORMAT, "data": sha256_files([Path(cfg.data)]),
@@ -609,10 +633,11 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool) -> dict:
 
     kept_ids, kept_mask = [], []
     freq: Counter = Counter()
-    for (ids, mask, error), where in zip(results, data.where):
+    opening = 0  # kept conversations that open with an assistant turn: context, not supervised
+    for (ids, mask, error), where, messages in zip(results, wheres, convs):
         if error is not None:
             reason, what = error
-        elif (valid := sum(mask)) < cfg.minimum_valid_tokens:
+        elif (valid := sum(mask)) < cfg.minimum_valid_tokens:  # per conversation, not per turn (docs: prepare)
             reason, what = "below_minimum_valid_tokens", (
                 f"{valid} supervised tokens within --seq-length {cfg.seq_length}, "
                 f"fewer than --minimum-valid-tokens {cfg.minimum_valid_tokens}")
@@ -620,6 +645,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool) -> dict:
             kept_ids.append(ids)
             kept_mask.append(mask)
             freq.update(t for t, m in zip(ids, mask) if m)
+            opening += messages[0]["role"] == "assistant"
             continue
         record_drop(data.dropped, data.first_drop, reason, f"{where}: {what}", cfg.strict)
     if not kept_ids:
@@ -632,6 +658,7 @@ def _prepare(cfg: PrepareConfig, out: Path, progress: bool) -> dict:
     stats = {"conversations": data.records, "kept": len(kept_ids), "dropped": sum(data.dropped.values()),
              "dropped_by_reason": dict(data.dropped.most_common()), "invalid_lines": data.invalid_lines,
              "tokens": int(len(input_ids)), "supervised_tokens": int(loss_mask.sum()),
+             "unsupervised_turns": {"opening_assistant": opening} if opening else {},
              "truncated": sum(1 for ids, _, _ in results if ids is not None and len(ids) == cfg.seq_length),
              "mapped_roles": dict(sorted(data.mapped_roles.items())), "repaired": dict(sorted(data.repaired.items())),
              "cut_bytes": data.cut_bytes}
