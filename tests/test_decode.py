@@ -10,12 +10,12 @@ import torch
 
 from conftest import prompt_ids, run_cli, train_cfg, write_jsonl
 from dspark.verifier import resolved
-from dspark.decode.cost import ConfidenceCut
+from dspark.decode.cost import ConfidenceCut, CostDriven, CostProfile, FixedK, profile
 from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.loop import Trace, accept, autoregressive, prefill, speculative
 from dspark.decode.proposal import Proposal
 from dspark.decode.report import difference, summarize
-from dspark.decode.config import DecodeConfig, SamplingConfig
+from dspark.decode.config import DecodeConfig, SamplingConfig, VerificationConfig
 from dspark.decode.verifier import GQA_SDPA, Verifier
 from dspark.core.errors import InputError
 from dspark.train.model import load_checkpoint
@@ -139,15 +139,25 @@ def test_decodes_sharing_one_prompt_forward_match_decodes_with_their_own(decoder
         autoregressive(v, prompt[:-1], 4, sampling=GREEDY, prefilled=pre)
 
 
-@pytest.mark.parametrize("layout,threshold", [("dspark", None), ("dspark", 0.5), ("dflash-v1", None)])
-def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layout, threshold):
+@pytest.mark.parametrize("layout,policy", [("dspark", None), ("dspark", "cut"), ("dspark", "cost"),
+                                           ("dspark", "fixed"), ("dflash-v1", None)])
+def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layout, policy):
+    """Whatever a step verifies (every draft, a confidence cut, cost-driven, a fixed k), the output is the verifier's."""
     model, v = decoder
     drafter = Drafter(model, layout)
     traces = []
     eos = {v.model.config.eos_token_id}
+    # checks nearly free against drafting: the cost-driven policy verifies while survival is high, cuts the rest
+    flat = CostProfile([1], [[10.0 + 0.3 * k for k in range(9)]], {"d": [5.0]})
+    verify = {None: None, "cut": ConfidenceCut(0.5), "cost": CostDriven(flat, "d"), "fixed": FixedK(2)}[policy]
     for prompt in prompt_ids(prepared, 6):
-        cut = None if threshold is None else ConfidenceCut(threshold)
-        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, verify=cut, eos=eos)
+        spec = speculative(v, drafter, prompt, 40, sampling=GREEDY, verify=verify, eos=eos)
+        if policy == "fixed":
+            assert set(spec.verified) == {2}
+        if policy == "cost":  # each step's count is the policy's own choice on that step's confidences
+            assert len(spec.confidence) == len(spec.verified)
+            assert spec.verified == [verify(Proposal(torch.zeros(len(c)), None, torch.tensor(c)), 0)
+                                     for c in spec.confidence]
         assert spec.tokens == autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos).tokens
         # every step yields its accepted drafts and one token of the verifier's; the last step may pass
         # 40 or a stop token, and is cut there: no step runs after the output is complete
@@ -162,9 +172,9 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
     assert sum(hist) == s["drafts"] and sum(k * n for k, n in enumerate(hist)) == s["accepted_tokens"]
     assert all(p["rate"] <= p["conditional"] for p in s["positions"])  # reaching k is rarer than passing it
     assert s["mean_acceptance_length"] == pytest.approx(1 + s["accepted_tokens"] / s["drafts"])
-    if threshold is None:
+    if policy is None:
         assert s["draft_tokens"] == s["drafts"] * drafter.num_speculative_tokens
-    if layout == "dspark" and threshold is None:
+    if layout == "dspark" and policy is None:
         assert s["positions"][0]["rate"] > 0.2  # a trained drafter, drafting in its trained layout
     assert sum(t.tokens[-1] in eos for t in traces) >= 3  # most replies end with the stop token, not at 40
 
@@ -275,6 +285,18 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     for d in result["datasets"]:
         assert d["outputs_equal_verifier_only"] == d["prompts"] == 2
         assert len(d["decoded"]["positions"]) == 8 and d["speedup"] > 0
+        # fixed N, the best fixed k and cost-driven side by side, each the verifier's own output
+        assert list(d["verification"]) == ["fixed N", "best fixed k", "cost-driven"]
+        assert d["outputs_equal_verifier_only_per_policy"] == {"best fixed k": 2, "cost-driven": 2}
+        assert d["verification"]["fixed N"]["verified_per_step"] == 8
+        assert 0 <= d["verification"]["cost-driven"]["verified_per_step"] <= 8
+        assert [r["position"] for r in d["confidence_calibration"]] == list(range(1, 9))
+    prof, cal = result["cost_profile"], result["calibration"]
+    assert len(prof["contexts"]) in (1, 2, 3) and all(len(row) == 9 and min(row) > 0 for row in prof["check_ms"])
+    # the best fixed k is chosen on the run's validation split, decoded beside the reported sets, never on them
+    assert cal["set"]["name"] == "validation" and 1 <= cal["set"]["prompts"] <= 8 and 0 <= cal["k"]["drafter"] <= 8
+    rec = result["recommendation"]
+    assert rec["method"] == "dspark" and rec["enable_adaptive_verification"] and rec["fixed_k"] == cal["k"]["drafter"]
     cells = {(r["subdomain"], k): v for r in result["long_context"] for k, v in r["cells"].items()}
     assert cells[("passage_retrieval", "4K-8K")].startswith("beyond the verifier's maximum length")
     assert cells[("continuation", "<=2K")].endswith("(1)")
@@ -288,6 +310,27 @@ def test_eval_decode_reports_sets_long_context_and_the_teacher_forced_estimate(r
     twice = run_cli("eval", "--checkpoint", os.path.join(c.save_path, "latest"), "--decode", "--output", tmp_path / "e3",
                     "--prompts", no_user, "--prompts", f"asks={chat_file}", check=False)
     assert twice.returncode == 2 and "named asks" in twice.stderr and "NAME=PATH" in twice.stderr
+
+
+def test_the_profile_times_every_check_length_and_each_drafters_proposal(decoder, prepared):
+    model, v = decoder
+    prompt = prompt_ids(prepared, 1)[0]
+    p = profile(v, {"d": Drafter(model, "dspark")}, prompt, [12, 30], 9, 2, GREEDY)
+    assert p.contexts == [12, 30] and len(p.check_ms) == 2 and all(len(r) == 9 and min(r) > 0 for r in p.check_ms)
+    assert len(p.draft_ms["d"]) == 1 and p.draft_ms["d"][0] > 0 and p.repeats == 2
+    # the verifier decodes as before after profiling: a prompt's output is still its own
+    eos = {v.model.config.eos_token_id}
+    assert speculative(v, Drafter(model, "dspark"), prompt, 20, sampling=GREEDY, eos=eos).tokens == \
+        autoregressive(v, prompt, 20, sampling=GREEDY, eos=eos).tokens
+
+
+def test_a_calibration_set_that_is_also_reported_is_refused(chat_file):
+    with pytest.raises(InputError, match="also a reported --prompts set"):
+        DecodeConfig(checkpoint="ckpt", prompts=[f"chat={chat_file}"],
+                     verification=VerificationConfig(calibration_prompts=f"cal={chat_file}")).validate()
+    proc = run_cli("eval", "--checkpoint", "none", "--decode", "--prompts", chat_file, "--calibration-prompts",
+                   chat_file, check=False)
+    assert proc.returncode == 2 and "also a reported --prompts set" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_eval_decode_refuses_a_nan_or_infinite_setting_before_loading_anything(tmp_path):
