@@ -142,7 +142,9 @@ def test_decode_report_is_embedded_without_local_paths(run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(run, copy, symlinks=True)
     ckpt = (copy / "latest").resolve()
-    (ckpt / "eval" / "decode.json").write_text(json.dumps({"checkpoint": str(ckpt), "datasets": {}}))
+    rec = {"num_speculative_tokens": 3, "method": "dspark", "why": "two drafts accepted a third of the time pay"}
+    (ckpt / "eval" / "decode.json").write_text(json.dumps({"checkpoint": str(ckpt), "datasets": {},
+                                                           "recommendation": rec}))
     (ckpt / "eval" / "decode.md").write_text(
         f"# Speculative decoding\n\nprompts from {tmp_path}/prompts.jsonl on {ckpt}\n\n"
         "| dataset | tau |\n|---|---:|\n| chat | 3.21 |\n")
@@ -155,6 +157,14 @@ def test_decode_report_is_embedded_without_local_paths(run, tmp_path):
     assert "![Speculative decoding (`dspark eval --decode`)](decode.png)" in card and (out / "decode.png").exists()
     assert "decode.png" in result["files"] and "No speculative-decoding report" not in card
     assert str(tmp_path) not in card and local_paths(card) == []
+    # the measured draft count: in the card's serve commands and its why, and in serving.json for serve-draft
+    assert json.loads((out / "serving.json").read_text()) == rec and "serving.json" in result["files"]
+    assert '"num_speculative_tokens": 3' in result["serve"] and '"num_speculative_tokens": 3' in card
+    assert "**Measured draft count** for `method: dspark`: `num_speculative_tokens` 3 (the commands above use it). " \
+           "Why: two drafts accepted a third of the time pay." in card
+    (ckpt / "eval" / "decode.json").write_text(json.dumps({"checkpoint": str(ckpt), "datasets": {}}))
+    again = export(str(copy / "latest"), str(out), VERIFIER, force=True)
+    assert not (out / "serving.json").exists() and "serving.json" not in again["files"]  # no stale count
 
 
 def test_checkpoint_without_anchor_sampling_outside_a_run(run, tmp_path):

@@ -145,6 +145,46 @@ def test_print_only_on_a_real_export(reference_run, verifier, tmp_path):
         f"error: --drafter {tmp_path} has no config.json (fix: pass a `dspark export` folder or RUN/latest)"]
 
 
+def test_auto_serves_the_draft_count_measured_for_the_method(tmp_path):
+    """`--num-speculative-tokens auto` takes the count `eval --decode` measured (an export's serving.json, or a
+    checkpoint's eval/decode.json) for the method served, and refuses in one line where there is none that fits."""
+    no_anchor, anchor = Path(drafter(tmp_path, False, 7)), Path(drafter(tmp_path, True, 8))
+    auto = lambda d: ServeDraftConfig("v", str(d), num_speculative_tokens="auto")  # noqa: E731
+    with pytest.raises(InputError, match="holds no measured draft count") as e:
+        plan(auto(no_anchor), [], None, gpu=False)
+    assert "dspark eval --checkpoint RUN/latest --decode" in e.value.fix
+    (no_anchor / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "method": "dflash",
+                                                        "why": "measured"}))
+    p = plan(auto(no_anchor), [], None, gpu=False)
+    assert p["speculative_config"]["num_speculative_tokens"] == 3 and p["method"] == "dflash"
+    assert "enable_adaptive_verification" not in p["speculative_config"]
+    # a checkpoint folder: its decode report's recommendation; DSpark on a GPU verifies adaptively
+    (anchor / "eval").mkdir()
+    (anchor / "eval" / "decode.json").write_text(json.dumps({"recommendation": {
+        "num_speculative_tokens": 8, "method": "dspark", "enable_adaptive_verification": True, "fixed_k": 1,
+        "why": "measured"}}))
+    p = plan(auto(anchor), [], None, gpu=True)
+    assert p["speculative_config"]["num_speculative_tokens"] == 8
+    assert p["speculative_config"]["enable_adaptive_verification"] is True
+    (no_anchor / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "method": "dspark",
+                                                        "why": "measured in the dspark layout"}))
+    with pytest.raises(InputError, match="measured for method dspark, not dflash"):
+        plan(auto(no_anchor), [], None, gpu=True)
+    (no_anchor / "serving.json").write_text(json.dumps({"num_speculative_tokens": 0, "method": "dflash",
+                                                        "why": "one draft costs more than it returns"}))
+    with pytest.raises(InputError, match="no draft count beat the verifier alone") as e:
+        plan(auto(no_anchor), [], None, gpu=False)
+    assert e.value.fix.startswith("serve --method none")
+    (no_anchor / "serving.json").write_text("[1, 2]")
+    with pytest.raises(InputError, match="is not a dspark decode report"):
+        plan(auto(no_anchor), [], None, gpu=False)
+    with pytest.raises(InputError, match="needs --drafter"):
+        ServeDraftConfig("v", method="ngram", num_speculative_tokens="auto")
+    out = run_cli("serve-draft", "--verifier", "v", "--drafter", no_anchor, "--num-speculative-tokens", "many",
+                  check=False)
+    assert out.returncode == 2 and out.stderr.startswith("error: --num-speculative-tokens 'many' is not an integer")
+
+
 def test_a_port_in_use_is_refused_before_vllm_starts(verifier):
     """Another server's /health on the port would answer for ours, and report it ready while it fails to bind."""
     with socket.socket() as other:
