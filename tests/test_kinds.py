@@ -189,7 +189,8 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
     out = tmp_path / "cmp"
     proc = run_cli("compare", *(a for name, ckpt in runs.items() for a in ("--drafter", f"{name}={ckpt}")),
                    "--prompts", f"chat={chat_file}", "--max-prompts", "3", "--max-new-tokens", "24",
-                   "--prompt-lookup-min", "1", "--output", out, "--no-progress")
+                   "--prompt-lookup-min", "1", "--output", out, "--no-progress",
+                   "--calibration-prompts", f"train={reference_run[0].data_path}", "--calibration-max-prompts", "2")
     result = json.loads((out / "compare.json").read_text())
     assert [d["name"] for d in result["drafters"]] == ["dspark", "dflash", "eagle3", "ngram"]
     assert [d["kind"] for d in result["drafters"]] == ["dspark", "dflash", "eagle3", "ngram"]
@@ -202,6 +203,16 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
         assert len(s["per_request"]) == 3 and s["mean_acceptance_length_se"] >= 0, name
         assert s["speedup"] > 0 and len(s["positions"]) == {"dspark": 8, "dflash": 7, "eagle3": 3, "ngram": 4}[name]
     assert chat["drafters"]["ngram"]["drafted_steps"] <= chat["drafters"]["ngram"]["drafts"]
+    # each drafter also verifies its best fixed k (chosen on the calibration prompts) and, with a confidence
+    # head, what its confidences pay for; every one still the verifier's own output
+    cal, prof = result["calibration"], result["cost_profile"]
+    assert cal["set"]["prompts"] == 2 and set(cal["k"]) == set(chat["drafters"])
+    assert len(prof["draft_ms"]["eagle3"]) == 3 and len(prof["draft_ms"]["dspark"]) == 1  # one after the other
+    for name, s in chat["drafters"].items():
+        want = ["fixed N", "best fixed k", "cost-driven"] if name == "dspark" else ["fixed N", "best fixed k"]
+        assert list(s["verification"]) == want, name
+        assert all(v["outputs_equal_verifier_only"] == 3 for v in s["verification"].values()), name
+        assert s["verification"]["best fixed k"]["verified_per_step"] <= cal["k"][name], name
     table = (out / "compare.md").read_text()
     assert "| dspark |" in table and "| dflash |" in table and "| ngram |" in table and "training steps" in table
     se = chat["drafters"]["dspark"]["mean_acceptance_length_se"]

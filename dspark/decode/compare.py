@@ -104,6 +104,15 @@ def _calibration_run(rows: list[Row]):
     return None
 
 
+def _row(traces: list, alone: list, n: int, base: float) -> dict:
+    """A verification policy's decode of a set: its summary, speedup, and how many outputs are the verifier's."""
+    from dspark.decode.report import summarize
+    from dspark.decode.run import verification_row
+
+    return {**verification_row(summarize(traces, n), base),
+            "outputs_equal_verifier_only": sum(a.tokens == b.tokens for a, b in zip(traces, alone))}
+
+
 def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from tqdm import tqdm
 
@@ -112,7 +121,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from dspark.decode.ngram import NgramDrafter
     from dspark.data.prompts import context_bucket, load_prompt_set
     from dspark.decode.report import by_subdomain, summarize
-    from dspark.decode.run import FIXED_N, calibrate, verification_row
+    from dspark.decode.run import FIXED_N, calibrate
     from dspark.decode.verifier import Verifier
     from dspark.core.report import write_report
     from dspark.data.prepare import load_tokenizer
@@ -191,9 +200,8 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
                 **s, "speedup": s["tokens_per_s"] / base,
                 "by_subdomain": by_subdomain(groups, n) if any(g != "-" for g, _ in groups) else {},
                 "outputs_equal_verifier_only": sum(a.tokens == b.tokens for a, b in zip(traces[r.name], alone)),
-                "verification": {label: verification_row(summarize(traces[(r.name, label)] if label != FIXED_N
-                                                                   else traces[r.name], n), base)
-                                 for label in [FIXED_N, *policies[r.name]]}}
+                "verification": {label: _row(traces[(r.name, label)] if label != FIXED_N else traces[r.name], alone,
+                                             n, base) for label in [FIXED_N, *policies[r.name]]}}
         sets.append(entry)
     if not sets:
         raise InputError("no prompt could be decoded: every one is beyond the verifier's maximum length",
