@@ -137,7 +137,8 @@ def test_each_kind_keeps_its_settings_rules():
     dspark_only = {"markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                    "confidence_head_alpha"}
     eagle3_only = {"ttt_steps", "ttt_step_loss_decay"}
-    block_only = {"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id"}
+    block_only = {"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id",
+                  "per_position_loss_weight", "dpace_alpha"}
     assert KINDS["dspark"].unread_settings() == eagle3_only
     assert KINDS["dflash"].unread_settings() == dspark_only | eagle3_only
     assert KINDS["eagle3"].unread_settings() == dspark_only | block_only

@@ -509,3 +509,20 @@ def test_an_error_in_the_step_while_the_loaders_queue_is_full_ends_the_loop_at_o
     t.join(20)
     assert not t.is_alive(), "the training loop hung joining its loader"
     assert raised == ["CUDA out of memory"]
+
+
+def test_dpace_weighs_block_positions_with_ce_alone(store, prepared, verifier, tmp_path):
+    """--per-position-loss-weight dpace (speculators' D-PACE) reaches the loss, trains, and is refused beside TV,
+    whose elementwise loss it would read as a CE."""
+    from speculators.models.dspark import DSparkDraftModel
+
+    from dspark.train.model import loss_kwargs
+
+    with pytest.raises(InputError, match=r"dpace weighs positions by the CE's own confidence.*\(fix: pass --loss-fn ce"):
+        cfg(store, prepared, verifier, tmp_path / "r0", per_position_loss_weight="dpace").validate()
+    c = cfg(store, prepared, verifier, tmp_path / "r1", per_position_loss_weight="dpace", dpace_alpha=0.3,
+            loss_fn="ce", max_steps=2, epochs=1).validate()
+    kw = loss_kwargs(DSparkDraftModel.__new__(DSparkDraftModel), c, torch.device("cpu"))
+    assert (kw["per_position_loss_weight"], kw["dpace_alpha"]) == ("dpace", 0.3)
+    losses = [r["metrics"]["loss"] for r in fit(c) if r["split"] == "train"]
+    assert len(losses) == 2 and all(0 < x < 100 for x in losses)

@@ -15,7 +15,8 @@ from dspark.kinds.base import Kind, register
 DSPARK_LAYOUT, DFLASH_V1_LAYOUT = "dspark", "dflash-v1"
 LAYOUTS = (DSPARK_LAYOUT, DFLASH_V1_LAYOUT)
 # the settings only block drafters read
-BLOCK_SETTINGS = frozenset({"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id"})
+BLOCK_SETTINGS = frozenset({"block_size", "sample_from_anchor", "max_anchors", "dflash_decay_gamma", "mask_token_id",
+                            "per_position_loss_weight", "dpace_alpha"})
 RETRAIN = "train with --no-sample-from-anchor for method dflash"
 
 

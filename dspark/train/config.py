@@ -69,6 +69,11 @@ class TrainConfig:
               "Default: the kind's own (on for dspark, off for dflash).")
     max_anchors: int = setting(512, "Blocks sampled per batch.", ge=1)
     dflash_decay_gamma: float = setting(4.0, "Loss decay over block positions.", gt=0)
+    per_position_loss_weight: Literal["fixed-exp-decay", "dpace"] = setting(
+        "fixed-exp-decay", "How a block position's loss is weighted: fixed-exp-decay (by --dflash-decay-gamma) or "
+                           "dpace (D-PACE: by the block's running confidence so far; CE only, as speculators after 0.9 "
+                           "trains DFlash).")
+    dpace_alpha: float = setting(0.5, "dpace: the confidence smoothing constant.", gt=0)
     markov_rank: int = setting(256, "dspark only: 0 disables the Markov head.", ge=0)
     markov_head_type: Literal[MARKOV_HEAD_TYPES] = setting("vanilla", "dspark only.")
     enable_confidence_head: bool = setting(True, "dspark only.")
@@ -146,6 +151,12 @@ class TrainConfig:
             check_loss_fn(self.loss_fn)
         except ValueError as e:
             raise InputError(f"--loss-fn {self.loss_fn!r}: {e}", 'e.g. --loss-fn \'{"ce": 0.1, "tv": 0.9}\'') from None
+        loss = self.loss_fn or KINDS[self.speculator_type].default_loss
+        if self.per_position_loss_weight == "dpace" and loss != "ce" and (loss in LOSS_FNS or
+                                                                          set(json.loads(loss)) != {"ce"}):
+            # D-PACE reads each term's elementwise loss as a CE (its confidence is exp(-loss))
+            raise InputError(f"--per-position-loss-weight dpace weighs positions by the CE's own confidence, and "
+                             f"--loss-fn {loss} is not CE alone", "pass --loss-fn ce")
         return self
 
     def to_dict(self) -> dict:

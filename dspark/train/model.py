@@ -99,6 +99,7 @@ def loss_kwargs(model, cfg: TrainConfig, device: torch.device) -> dict:
     train_kw, _ = type(model).get_trainer_kwargs(
         loss_fn=cfg.loss_fn, loss_implementation=loss_impl(device), max_anchors=cfg.max_anchors,
         dflash_decay_gamma=cfg.dflash_decay_gamma, confidence_head_alpha=cfg.confidence_head_alpha,
+        per_position_loss_weight=cfg.per_position_loss_weight, dpace_alpha=cfg.dpace_alpha,
         ttt_steps=cfg.ttt_steps, ttt_step_loss_decay=cfg.ttt_step_loss_decay)
     return train_kw
 

@@ -245,6 +245,11 @@ def markdown(r: dict) -> str:
             out.append(_row([d["name"], s["requests"], *[f"{p['rate']:.2f}" for p in s["positions"]],
                              f"{s['mean_acceptance_length']:.2f}", f"{s['tokens_per_s']:.1f}",
                              f"{d['verifier_only']['tokens_per_s']:.1f}", f"{d['speedup']:.2f}x"]))
+        if any(len(d.get("verification", {})) > 1 for d in main["datasets"]):
+            from dspark.decode.report import verification_lines
+
+            out += ["", "## Verification sized by cost (`eval --decode`: fixed N, best fixed k, cost-driven)"]
+            out += verification_lines(main)
         for d in main["datasets"]:
             if d.get("by_subdomain") and d["name"] == "mtbench":
                 out += ["", "MT-bench per category:", "", _row(["category", "prompts",
