@@ -50,6 +50,17 @@ def test_cost_driven_verifies_while_the_running_product_of_confidences_pays():
     assert policy(prop([0.9, 0.9, 0.1, 0.1]), 10) == 2
     assert policy(prop([0.01, 0.9, 0.9, 0.9]), 10) == 0  # the first draft is hopeless: the rest cannot pay
     assert policy(prop([0.99, 0.99, 0.99, 0.99]), 10) == 4
+    # a proposal that would not have paid (best rate below the verifier's alone: 1/10) holds the next proposals
+    # back for 1, 2, 4 ... steps, and one that pays brings them back every step
+    policy.reset()
+    steps = []
+    for conf in ([0.01] * 4, [0.01] * 4, [0.99] * 4):
+        while policy.plan(10) == 0:
+            steps.append("skip")
+        steps.append(policy(prop(conf), 10))
+    assert steps == [0, "skip", 0, "skip", "skip", 4] and policy.plan(10) is None
+    policy.reset()
+    assert policy.plan(10) is None and (policy.backoff, policy.skip) == (0, 0)
     assert FixedK(3)(prop([0.1] * 4), 10) == 3 and FixedK(3).max_drafts == 3 and FixedK(9)(prop([0.1] * 4), 10) == 4
 
 

@@ -25,6 +25,7 @@ import torch
 
 from dspark.decode.config import Rejection, SamplingConfig
 from dspark.decode.drafter import DraftContext, Drafter
+from dspark.decode.proposal import Proposal
 from dspark.decode.verifier import Verifier
 
 
@@ -176,13 +177,19 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     trace = Trace([_first_token(pre.logits, temperature, gen)])
     trace.prefill_s, trace.draft_s = pre.seconds, pre.draft_s
     done = trace.tokens[0] in eos
+    if verify is not None:
+        verify.reset()
     while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
         t = time.perf_counter()
-        prop = drafter.propose(ctx, anchor, sampling, gen, max_drafts=verify and verify.max_drafts)
-        n = len(prop.tokens) if verify is None else verify(prop, verifier.length)
-        if prop.confidence is not None:
-            trace.confidence.append(prop.confidence.tolist())
+        most = None if verify is None else verify.plan(verifier.length)
+        if most == 0:  # no proposal this step: the verifier's token alone
+            prop, n = Proposal(torch.zeros(0, dtype=torch.long), None, None), 0
+        else:
+            prop = drafter.propose(ctx, anchor, sampling, gen, max_drafts=most)
+            n = len(prop.tokens) if verify is None else verify(prop, verifier.length)
+        if drafter.confidence is not None:  # per step, [] where nothing was proposed
+            trace.confidence.append([] if prop.confidence is None else prop.confidence.tolist())
         drafts = prop.tokens[:n]
         t1 = time.perf_counter()
         base = verifier.length
