@@ -97,7 +97,7 @@ def main() -> None:
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         sys.exit(f"error: unknown arm(s) {unknown} (fix: use some of {list(ARMS)})")
-    record = json.loads((a.recipe / "runs" / "original" / "config.json").read_text())
+    record = json.loads((a.recipe / "runs" / "original" / "config.json").read_text())["train"]  # the run record
     rows = []
     for name in names:
         t = time.time()
