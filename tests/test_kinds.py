@@ -208,6 +208,7 @@ def test_compare_puts_every_drafter_and_prompt_lookup_in_one_table(dflash_run, e
     cal, prof = result["calibration"], result["cost_profile"]
     assert cal["set"]["prompts"] == 2 and set(cal["k"]) == set(chat["drafters"])
     assert len(prof["draft_ms"]["eagle3"]) == 3 and len(prof["draft_ms"]["dspark"]) == 1  # one after the other
+    assert all(len(row) == 9 for row in prof["check_ms"])  # DSpark's anchor and 8 drafts, the most any verifies
     for name, s in chat["drafters"].items():
         want = ["fixed N", "best fixed k", "cost-driven"] if name == "dspark" else ["fixed N", "best fixed k"]
         assert list(s["verification"]) == want, name

@@ -121,7 +121,7 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from dspark.decode.ngram import NgramDrafter
     from dspark.data.prompts import context_bucket, load_prompt_set
     from dspark.decode.report import by_subdomain, summarize
-    from dspark.decode.run import FIXED_N, calibrate
+    from dspark.decode.run import FIXED_N, verification
     from dspark.decode.verifier import Verifier
     from dspark.core.report import write_report
     from dspark.data.prepare import load_tokenizer
@@ -164,24 +164,9 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
                                     prefilled=pre, **kw))
         return traces
 
-    policies: dict[str, dict] = {r.name: {} for r in rows}
-    profile = chosen = None
-    first = next((list(ps.prompts[0].ids) for ps in prompt_sets if ps.prompts), None)
-    if cfg.verification.cost_model and first is not None:
-        lengths = [p.length for ps in prompt_sets for p in ps.prompts]
-        contexts = cost.profile_contexts(lengths, cfg.max_new_tokens, verifier.max_length and verifier.max_length - room)
-        profile = cost.profile(verifier, drafters, first, contexts, room, cfg.verification.profile_repeats, cfg)
-        chosen = calibrate(cfg, _calibration_run(rows), drafters, verifier, tokenizer, eos, room, progress,
-                           lambda ps: {k: v for k, v in decode(ps, label="calibrate").items() if k != "verifier"})
-        if chosen is not None:
-            chosen["context"] = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
-            chosen["k"] = {name: cost.best_fixed_k(reach, profile, name, chosen["context"])
-                           for name, reach in chosen["reach"].items()}
-        for r in rows:
-            if chosen is not None:
-                policies[r.name][cost.FixedK.label] = cost.FixedK(chosen["k"][r.name])
-            if r.drafter.confidence is not None:
-                policies[r.name][cost.CostDriven.label] = cost.CostDriven(profile, r.name)
+    policies, profile, chosen = verification(
+        cfg, verifier, drafters, prompt_sets, _calibration_run(rows), tokenizer, eos, progress,
+        lambda ps: {k: v for k, v in decode(ps, label="calibrate").items() if k != "verifier"})
     sets = []
     for ps in prompt_sets:
         traces = decode(ps, policies)

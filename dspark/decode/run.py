@@ -85,30 +85,48 @@ def verification_row(summary: dict, base_rate: float) -> dict:
             "speedup": summary["tokens_per_s"] / base_rate}
 
 
-def calibrate(cfg: DecodeConfig, run, drafter, verifier, tokenizer, eos: set[int], room: int, progress: bool,
-              decode) -> dict | None:
-    """Each drafter's per-position reach on the calibration prompts (--calibration-prompts, else the validation split
-    of the run's prepared data), decoded verifying every draft: what a fixed k is chosen from. None: no such set.
-    `decode(ps) -> {name: traces}` decodes a set with every drafter."""
+def verification(cfg, verifier, drafters: dict, sets: list, run, tokenizer, eos: set[int], progress: bool,
+                 decode) -> tuple[dict, object, dict | None]:
+    """The cost model's setup, shared by `eval --decode` and `compare`: (per drafter name its policies beside
+    fixed N, label -> policy; the profile; the calibration: the set, each drafter's reach there, its best
+    fixed k and the context it was chosen at). Nothing without --cost-model or prompts.
+
+    The calibration prompts are --calibration-prompts, else the validation split of `run`'s prepared data
+    (None: no best fixed k), decoded verifying every draft by `decode(ps) -> {name: traces}`.
+    """
     from dspark.data.prompts import load_prompt_set
-    from dspark.decode.cost import reach_rates
+    from dspark.decode import cost
     from dspark.train.data import split_ids
 
     v = cfg.verification
-    if v.calibration_prompts:
-        spec, ids = v.calibration_prompts, None
-    elif run is not None:
-        from dspark.data.prepare import PreparedData
+    lengths = [p.length for ps in sets for p in ps.prompts]
+    policies: dict[str, dict] = {name: {} for name in drafters}
+    if not v.cost_model or not lengths:
+        return policies, None, None
+    room = max(d.slots for d in drafters.values())
+    checks = max(d.num_speculative_tokens for d in drafters.values()) + 1  # the anchor and every draft
+    first = next(list(ps.prompts[0].ids) for ps in sets if ps.prompts)
+    contexts = cost.profile_contexts(lengths, cfg.max_new_tokens, verifier.max_length and verifier.max_length - checks)
+    profile = cost.profile(verifier, drafters, first, contexts, checks, v.profile_repeats, cfg)
+    chosen = None
+    if v.calibration_prompts or run is not None:
+        ids = None
+        if not v.calibration_prompts:
+            from dspark.data.prepare import PreparedData
 
-        spec = f"validation={run.data_path}"
-        ids = split_ids(len(PreparedData(run.data_path)), run.train_data_ratio, run.seed)[1]
-    else:
-        return None
-    ps = load_prompt_set(spec, tokenizer, v.calibration_max_prompts, verifier.max_length,
-                         cfg.max_new_tokens + room, sample_ids=ids)
-    traces = decode(ps)
-    return {"set": ps.summary(), "reach": {name: reach_rates(ts, drafter[name].num_speculative_tokens)
-                                           for name, ts in traces.items()}}
+            ids = split_ids(len(PreparedData(run.data_path)), run.train_data_ratio, run.seed)[1]
+        ps = load_prompt_set(v.calibration_prompts or f"validation={run.data_path}", tokenizer,
+                             v.calibration_max_prompts, verifier.max_length, cfg.max_new_tokens + room, sample_ids=ids)
+        context = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
+        reach = {name: cost.reach_rates(ts, drafters[name].num_speculative_tokens) for name, ts in decode(ps).items()}
+        chosen = {"set": ps.summary(), "reach": reach, "context": context,
+                  "k": {name: cost.best_fixed_k(r, profile, name, context) for name, r in reach.items()}}
+    for name, drafter in drafters.items():
+        if chosen is not None:
+            policies[name][cost.FixedK.label] = cost.FixedK(chosen["k"][name])
+        if drafter.confidence is not None:
+            policies[name][cost.CostDriven.label] = cost.CostDriven(profile, name)
+    return policies, profile, chosen
 
 
 def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: str | None = None,
@@ -152,27 +170,15 @@ def run_decode(cfg: DecodeConfig, teacher_forced: dict | None = None, output: st
         speculative(verifier, drafter, first[:64], 4, sampling=cfg)  # a short prompt will do
         autoregressive(verifier, first[:64], 4, sampling=cfg)
 
-    policies, profile, chosen = {}, None, None
-    if cfg.verification.cost_model and first is not None:
-        lengths = [p.length for ps in sets for p in ps.prompts]
-        contexts = cost.profile_contexts(lengths, cfg.max_new_tokens, verifier.max_length and
-                                         verifier.max_length - drafter.slots)
-        profile = cost.profile(verifier, {DRAFTER: drafter}, first, contexts, n_spec + 1,
-                               cfg.verification.profile_repeats, cfg)
+    def decode(ps):  # the calibration prompts, every draft verified
+        gen = torch.Generator().manual_seed(cfg.seed)
+        return {DRAFTER: [speculative(verifier, drafter, list(p.ids), cfg.max_new_tokens, sampling=cfg, eos=eos,
+                                      gen=gen)
+                          for p in tqdm(ps.prompts, desc=f"calibrate {ps.name}", unit="prompt", disable=not progress)]}
 
-        def decode(ps):
-            return {DRAFTER: [speculative(verifier, drafter, list(p.ids), cfg.max_new_tokens, sampling=cfg, eos=eos)
-                              for p in tqdm(ps.prompts, desc=f"calibrate {ps.name}", unit="prompt",
-                                            disable=not progress)]}
-
-        chosen = calibrate(cfg, run, {DRAFTER: drafter}, verifier, tokenizer, eos, drafter.slots, progress, decode)
-        median = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
-        if chosen is not None:
-            chosen["context"] = median
-            chosen["k"] = {DRAFTER: cost.best_fixed_k(chosen["reach"][DRAFTER], profile, DRAFTER, median)}
-            policies[cost.FixedK.label] = cost.FixedK(chosen["k"][DRAFTER])
-        if drafter.confidence is not None:
-            policies[cost.CostDriven.label] = cost.CostDriven(profile, DRAFTER)
+    policies, profile, chosen = verification(cfg, verifier, {DRAFTER: drafter}, sets, run, tokenizer, eos, progress,
+                                             decode)
+    policies = policies[DRAFTER]
     if cfg.confidence_threshold is not None and drafter.confidence is not None:
         policies[cost.ConfidenceCut.label] = cost.ConfidenceCut(cfg.confidence_threshold)
     datasets = [decode_set(cfg, ps, verifier, drafter, eos, policies, progress) for ps in sets]
