@@ -109,7 +109,7 @@ def model_inputs(cfg: TrainConfig, batch: dict) -> dict:
     return KINDS[cfg.speculator_type].model_inputs(batch)
 
 
-def _muon_param(name: str, p: torch.Tensor) -> bool:
+def muon_param(name: str, p: torch.Tensor) -> bool:
     # Muon orthogonalizes hidden-layer matrices; embedding tables (the Markov W1 too) and
     # output projections stay on AdamW, as in the Muon paper's recipe.
     return p.ndim == 2 and not any(k in name for k in ("embed", "lm_head", "markov_w1", "markov_w2"))
@@ -118,8 +118,8 @@ def _muon_param(name: str, p: torch.Tensor) -> bool:
 def build_optimizers(model, cfg: TrainConfig) -> list[torch.optim.Optimizer]:
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.optimizer == "muon":
-        muon = [p for n, p in params if _muon_param(n, p)]
-        rest = [p for n, p in params if not _muon_param(n, p)]
+        muon = [p for n, p in params if muon_param(n, p)]
+        rest = [p for n, p in params if not muon_param(n, p)]
         device = next(model.parameters()).device
         return [Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw",
                      ns_dtype=ns_dtype_for(cfg.muon_ns_dtype, device)),
