@@ -157,6 +157,7 @@ def test_auto_serves_the_draft_count_measured_for_the_method(tmp_path):
                                                         "why": "measured"}))
     p = plan(auto(no_anchor), [], None, gpu=False)
     assert p["speculative_config"]["num_speculative_tokens"] == 3 and p["method"] == "dflash"
+    assert p["num_speculative_tokens_why"] == "measured"  # said when the server starts
     assert "enable_adaptive_verification" not in p["speculative_config"]
     # a checkpoint folder: its decode report's recommendation; DSpark on a GPU verifies adaptively
     (anchor / "eval").mkdir()

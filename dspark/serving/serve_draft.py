@@ -135,8 +135,9 @@ def choose(cfg: ServeDraftConfig, gpu: bool) -> tuple[str, int | None, str]:
     return method, tokens, runner
 
 
-def measured_tokens(cfg: ServeDraftConfig, method: str) -> tuple[int, bool]:
-    """`--num-speculative-tokens auto`: (the measured count, adaptive verification) for `method`, or one line."""
+def measured_tokens(cfg: ServeDraftConfig, method: str) -> tuple[int, bool, str]:
+    """`--num-speculative-tokens auto`: (the measured count, adaptive verification, why) for `method`, or one
+    line."""
     from dspark.export.serving import recommendation
 
     rec = recommendation(cfg.drafter)
@@ -150,7 +151,7 @@ def measured_tokens(cfg: ServeDraftConfig, method: str) -> tuple[int, bool]:
     if not rec["num_speculative_tokens"]:
         raise InputError(f"--num-speculative-tokens auto: on the machine measured, no draft count beat the verifier "
                          f"alone ({rec['why']})", "serve --method none, or pass a number")
-    return rec["num_speculative_tokens"], bool(rec.get("enable_adaptive_verification"))
+    return rec["num_speculative_tokens"], bool(rec.get("enable_adaptive_verification")), rec["why"]
 
 
 def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None, gpu: bool) -> dict:
@@ -161,9 +162,9 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
         raise InputError(f"{', '.join(clash)} after `--` conflicts with what serve-draft sets",
                          "pass it as serve-draft's own option, before `--`")
     method, tokens, runner = choose(cfg, gpu)
-    spec, adaptive = None, False
+    spec, adaptive, why = None, False, None
     if tokens == "auto":
-        tokens, adaptive = measured_tokens(cfg, method)
+        tokens, adaptive, why = measured_tokens(cfg, method)
     if method == "ngram":
         spec = {"method": "ngram", "num_speculative_tokens": tokens, **asdict(cfg.lookup)}
     elif method in vllm_methods():
@@ -177,7 +178,7 @@ def plan(cfg: ServeDraftConfig, vllm_flags: list[str], drafter_copy: str | None,
     # pinned, so the runner planned (and refused above) is the one vLLM runs, whatever its default
     env = {**cpu_env(), **offline_env(cfg.verifier, None), RUNNER_ENV: "1" if runner == "v2" else "0"}
     return {"command": command, "env": env, "health": health_url(cfg.host, cfg.port), "method": method,
-            "model_runner": runner, "speculative_config": spec}
+            "model_runner": runner, "speculative_config": spec, "num_speculative_tokens_why": why}
 
 
 def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool = False) -> int:
@@ -195,6 +196,9 @@ def serve_draft(cfg: ServeDraftConfig, vllm_flags: list[str], print_only: bool =
         if print_only:
             print(json.dumps(p, indent=2))
             return 0
+        if p["num_speculative_tokens_why"]:  # --num-speculative-tokens auto: the measured count, and why
+            print(f"num_speculative_tokens {p['speculative_config']['num_speculative_tokens']}: "
+                  f"{p['num_speculative_tokens_why']}", file=sys.stderr)
         what = {"none": "no speculative decoding", "ngram": "n-gram drafts"}.get(p["method"],
                                                                                 f"{p['method']} drafter")
         what += f", Model Runner {p['model_runner'].upper()}"
