@@ -12,7 +12,8 @@ This is the same rule for one request at a time, with the costs measured here, b
 - The expected rate of verifying k drafts is (1 + s_1 + ... + s_k) / (draft + check(k + 1)), s_i the
   chance the first i drafts are all accepted. The policy verifies the k that maximises it, taken over
   every k (the check's cost is a staircase, not smooth).
-- `CostDriven`: DSpark, per step, s_i the running product of the confidence head's outputs.
+- `CostDriven`: DSpark, per step, s_i the running product of the confidence head's outputs; after a proposal
+  that would not have paid, the next ones are skipped for a while (a proposal is not free on a CPU).
 - `best_fixed_k`: drafters without a confidence head (DFlash, EAGLE-3, prompt lookup): s_i measured on a
   calibration set (the validation split, never a reported set), one k for every step. k = 0 is the
   verifier alone, which pays no drafting.
@@ -63,8 +64,9 @@ class CostProfile:
 
 def expected_rates(reach, draft_ms: float | list[float], check_ms: list[float]) -> np.ndarray:
     """Expected tokens per millisecond for verifying k = 0..len(reach) drafts: `reach[i-1]` the chance the first i
-    are all accepted, `check_ms[k]` the forward over k + 1 tokens, `draft_ms` the proposal's cost (a list: per k,
-    index k-1; k = 0 pays none, where the caller passes draft_ms 0 to mean the verifier alone)."""
+    are all accepted, `check_ms[k]` the forward over k + 1 tokens. `draft_ms`: a number is a proposal already
+    made, paid whatever k (k = 0 included); a list is the cost of proposing k drafts at index k - 1, where k = 0
+    proposes nothing and pays nothing (the verifier alone)."""
     reach = np.asarray(reach, dtype=np.float64)
     n = len(reach)
     tokens = 1.0 + np.concatenate([[0.0], np.cumsum(reach)])
