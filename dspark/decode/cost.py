@@ -180,13 +180,19 @@ class CostDriven(Policy):
         return int(np.argmax(rates))
 
 
-def _median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(1000 * (time.perf_counter() - t))
-    return statistics.median(times)
+def _timed_ms(fn, device) -> float:
+    """`fn`'s wall milliseconds, its device work included (a GPU runs it after the call returns)."""
+    import torch
+
+    t = time.perf_counter()
+    fn()
+    if getattr(device, "type", "cpu") == "cuda":
+        torch.cuda.synchronize(device)
+    return 1000 * (time.perf_counter() - t)
+
+
+def _median_ms(fn, repeats: int, device) -> float:
+    return statistics.median(_timed_ms(fn, device) for _ in range(repeats))
 
 
 def profile_contexts(lengths: list[int], max_new: int, limit: int | None) -> list[int]:
@@ -219,9 +225,7 @@ def profile(verifier, drafters: dict[str, object], ids: list[int], contexts: lis
             order = range(1, max_tokens + 1) if r % 2 == 0 else range(max_tokens, 0, -1)
             for k in order:
                 chunk = torch.tensor(base[length:length + k])
-                t = time.perf_counter()
-                verifier.forward(chunk)
-                samples[k - 1].append(1000 * (time.perf_counter() - t))
+                samples[k - 1].append(_timed_ms(lambda: verifier.forward(chunk), verifier.device))
                 verifier.rewind(length)
         rows.append([statistics.median(s) for s in samples])
     length = contexts[-1]
@@ -236,8 +240,8 @@ def profile(verifier, drafters: dict[str, object], ids: list[int], contexts: lis
 
         propose()  # first calls (the context's pairs for EAGLE-3, allocations) stay out of the figure
         n = drafter.num_speculative_tokens
-        draft_ms[name] = ([_median_ms(lambda k=k: propose(k), repeats) for k in range(1, n + 1)]
-                          if getattr(drafter, "sequential", False) else [_median_ms(propose, repeats)])
+        draft_ms[name] = ([_median_ms(lambda k=k: propose(k), repeats, verifier.device) for k in range(1, n + 1)]
+                          if getattr(drafter, "sequential", False) else [_median_ms(propose, repeats, verifier.device)])
     return CostProfile(list(contexts), rows, draft_ms, repeats, time.perf_counter() - start)
 
 
