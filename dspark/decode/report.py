@@ -162,7 +162,7 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_lines(profile: dict | None, drafters: dict[str, int] | None = None) -> list[str]:
+def profile_lines(profile: dict | None) -> list[str]:
     """The measured costs as a table: the verifier's forward over k tokens per profiled context, each drafter's
     proposal."""
     if not profile:
