@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from dspark.decode.cost import (CostDriven, CostProfile, FixedK, best_fixed_k, best_k, calibration, expected_rates,
-                                profile_contexts, reach_rates)
+                                profile_contexts)
 from dspark.decode.loop import Trace
 from dspark.decode.proposal import Proposal
+from dspark.decode.report import reach_rates
 
 
 def test_the_expected_rate_counts_the_bonus_token_and_every_cost():

@@ -116,7 +116,6 @@ def _row(traces: list, alone: list, n: int, base: float) -> dict:
 def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     from tqdm import tqdm
 
-    from dspark.decode import cost
     from dspark.decode.loop import autoregressive, prefill_each, speculative
     from dspark.decode.ngram import NgramDrafter
     from dspark.data.prompts import context_bucket, load_prompt_set
@@ -144,29 +143,31 @@ def run_compare(cfg: CompareConfig, progress: bool = True) -> tuple[dict, Path]:
     prompt_sets = [load_prompt_set(spec, tokenizer, cfg.max_prompts, verifier.max_length, cfg.max_new_tokens + room)
                    for spec in cfg.prompts]
 
-    def decode(ps, policies=None, label=None):
-        """Every prompt of `ps` by the verifier alone and each drafter (with its policy of `policies`)."""
+    def decode(ps, policies=None, label=None, baseline=True):
+        """Every prompt of `ps` by each drafter (with its policy of `policies`) and, with `baseline`, by the verifier
+        alone."""
         traces: dict[str, list] = defaultdict(list)
         for i, prompt in enumerate(tqdm(ps.prompts, desc=f"{label or 'compare'} {ps.name}", unit="prompt",
                                         disable=not progress)):
             ids = list(prompt.ids)
             seeded = lambda: torch.Generator().manual_seed(cfg.seed * 1_000_003 + i)  # noqa: E731
             pres = prefill_each(verifier, [None, *drafters.values()], ids, banned)
-            alone = autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pres[0], **kw)
-            traces["verifier"].append(alone)
+            if baseline:
+                alone = autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pres[0], **kw)
+                traces["verifier"].append(alone)
             for (name, drafter), pre in zip(drafters.items(), pres[1:]):
                 traces[name].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(),
                                                 prefilled=pre, **kw))
                 for label_, policy in (policies or {}).get(name, {}).items():
                     traces[(name, label_)].append(
-                        alone if isinstance(policy, cost.FixedK) and policy.k == 0 else
+                        alone if policy.max_drafts == 0 else
                         speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), verify=policy,
                                     prefilled=pre, **kw))
         return traces
 
     policies, profile, chosen = verification(
         cfg, verifier, drafters, prompt_sets, _calibration_run(rows), tokenizer, eos, progress,
-        lambda ps: {k: v for k, v in decode(ps, label="calibrate").items() if k != "verifier"})
+        lambda ps: decode(ps, label="calibrate", baseline=False))
     sets = []
     for ps in prompt_sets:
         traces = decode(ps, policies)

@@ -245,14 +245,6 @@ def profile(verifier, drafters: dict[str, object], ids: list[int], contexts: lis
     return CostProfile(list(contexts), rows, draft_ms, repeats, time.perf_counter() - start)
 
 
-def reach_rates(traces, n: int) -> list[float]:
-    """Per position i = 1..n, the share of steps whose first i drafts were all accepted (steps without drafts
-    count as none accepted, as a fixed k would see them)."""
-    accepted = np.array([a for t in traces for a in t.accepted], dtype=np.int64)
-    steps = max(len(accepted), 1)
-    return [float((accepted >= i).sum()) / steps for i in range(1, n + 1)]
-
-
 def calibration(traces, n: int) -> list[dict] | None:
     """The confidence head against what the verifier accepted, per position, over the steps of `traces` that
     verified every draft: predicted survival (the running product, mean over steps) against the share of steps

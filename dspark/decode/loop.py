@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.decode.config import Rejection, SamplingConfig
+from dspark.decode.cost import VerifyAll
 from dspark.decode.drafter import DraftContext, Drafter
 from dspark.decode.proposal import Proposal
 from dspark.decode.verifier import Verifier
@@ -177,17 +178,17 @@ def speculative(verifier: Verifier, drafter: Drafter, prompt: list[int], max_new
     trace = Trace([_first_token(pre.logits, temperature, gen)])
     trace.prefill_s, trace.draft_s = pre.seconds, pre.draft_s
     done = trace.tokens[0] in eos
-    if verify is not None:
-        verify.reset()
+    verify = verify or VerifyAll()
+    verify.reset()
     while len(trace.tokens) < max_new and not done:
         anchor = trace.tokens[-1]
         t = time.perf_counter()
-        most = None if verify is None else verify.plan(verifier.length)
+        most = verify.plan(verifier.length)
         if most == 0:  # no proposal this step: the verifier's token alone
             prop, n = Proposal(torch.zeros(0, dtype=torch.long), None, None), 0
         else:
             prop = drafter.propose(ctx, anchor, sampling, gen, max_drafts=most)
-            n = len(prop.tokens) if verify is None else verify(prop, verifier.length)
+            n = verify(prop, verifier.length)
         if drafter.confidence is not None:  # per step, [] where nothing was proposed
             trace.confidence.append([] if prop.confidence is None else prop.confidence.tolist())
         drafts = prop.tokens[:n]

@@ -82,6 +82,13 @@ def summarize(traces: list[Trace], n_spec: int) -> dict:
     }
 
 
+def reach_rates(traces: list[Trace], n: int) -> list[float]:
+    """Per position i = 1..n, the share of steps whose first i drafts were all accepted: `summarize`'s per-position
+    rate (steps without drafts count as none accepted, as a fixed k would see them). What decode/cost.py's best fixed
+    k is chosen from."""
+    return [p["rate"] for p in summarize(traces, n)["positions"]]
+
+
 def by_subdomain(traces: Iterable[tuple[str | None, Trace]], n_spec: int) -> dict[str, dict]:
     """`summarize` per sub-domain ("-" for prompts without one), in the order sub-domains first appear."""
     groups: dict[str, list[Trace]] = {}

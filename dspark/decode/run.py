@@ -11,8 +11,9 @@ import torch
 from dspark.decode.config import DecodeConfig
 from dspark.core.errors import InputError
 from dspark.core.report import EVAL_DIR
+from dspark.decode.cost import VerifyAll
 
-FIXED_N = "fixed N"  # every draft verified: the decode every report has had
+FIXED_N = VerifyAll.label  # every draft verified: the decode every report has had
 DRAFTER = "drafter"  # the checkpoint's name in the cost profile
 
 
@@ -27,7 +28,7 @@ def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], policies
     and once per `policies` entry (a label -> decode/cost.py policy: fewer drafts verified)."""
     from tqdm import tqdm
 
-    from dspark.decode.cost import FixedK, calibration
+    from dspark.decode.cost import calibration
     from dspark.decode.loop import autoregressive, prefill, speculative
     from dspark.data.prompts import context_bucket
     from dspark.decode.report import by_subdomain, summarize
@@ -46,7 +47,7 @@ def decode_set(cfg: DecodeConfig, ps, verifier, drafter, eos: set[int], policies
         alone = autoregressive(verifier, ids, cfg.max_new_tokens, gen=seeded(), prefilled=pre, **kw)
         runs["verifier_only"].append(alone)
         for label, policy in policies.items():
-            if isinstance(policy, FixedK) and policy.k == 0:  # no draft pays: the verifier alone
+            if policy.max_drafts == 0:  # no draft pays: the verifier alone
                 runs[label].append(alone)
                 continue
             runs[label].append(speculative(verifier, drafter, ids, cfg.max_new_tokens, gen=seeded(), verify=policy,
@@ -96,6 +97,7 @@ def verification(cfg, verifier, drafters: dict, sets: list, run, tokenizer, eos:
     """
     from dspark.data.prompts import load_prompt_set
     from dspark.decode import cost
+    from dspark.decode.report import reach_rates
     from dspark.train.data import split_ids
 
     v = cfg.verification
@@ -118,7 +120,7 @@ def verification(cfg, verifier, drafters: dict, sets: list, run, tokenizer, eos:
         ps = load_prompt_set(v.calibration_prompts or f"validation={run.data_path}", tokenizer,
                              v.calibration_max_prompts, verifier.max_length, cfg.max_new_tokens + room, sample_ids=ids)
         context = sorted(lengths)[len(lengths) // 2] + cfg.max_new_tokens // 2
-        reach = {name: cost.reach_rates(ts, drafters[name].num_speculative_tokens) for name, ts in decode(ps).items()}
+        reach = {name: reach_rates(ts, drafters[name].num_speculative_tokens) for name, ts in decode(ps).items()}
         chosen = {"set": ps.summary(), "reach": reach, "context": context,
                   "k": {name: cost.best_fixed_k(r, profile, name, context) for name, r in reach.items()}}
     for name, drafter in drafters.items():
