@@ -205,14 +205,18 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     argv = [sys.executable, "-m", "dspark.cli",
             *map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
                                  "--logger", ALL))]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # a child: kill -9 is the claim
+    # Each run its own process with its own wandb service, as a user's: wandb hands a running service to child
+    # processes through WANDB_SERVICE (this one's, once an in-process test used wandb), and that service, alive
+    # past the kill, keeps the killed run's stream open and drops the resume of the same run id.
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)  # kill -9 is the claim
 
     def checkpoint_step() -> int:
         return int((run / "latest").resolve().name.split("-")[1])
 
     def tracker_past_checkpoint() -> bool:  # MLflow holds steps the resume computes again
-        # each tracker adds itself to trackers.json once it has started, MLflow not necessarily first
-        if not (run / "latest").exists() or "mlflow" not in read_identity(run):
+        # each tracker adds itself to trackers.json once it has started: the resume must reopen every one of them
+        if not (run / "latest").exists() or set(ALL.split(",")) - set(read_identity(run)):
             return False
         try:
             steps = [s for s, _ in mlflow_series(run).get("train/loss", [])]
@@ -226,8 +230,8 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert max(s for s, _ in mlflow_series(run)["train/loss"]) > checkpoint_step()
-    # a child, as the killed run: wandb's resume of its own run id is per process (in this one it flaked empty)
-    resumed = subprocess.run(argv, capture_output=True, text=True)
+    # a child too, with its own wandb service, as a user's resume
+    resumed = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-2000:]
     want = expected(run)
     assert len(want["train/loss"]) == max(s for s, _ in want["train/loss"])  # every step, from 1
