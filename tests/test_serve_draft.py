@@ -161,12 +161,17 @@ def test_auto_serves_the_draft_count_measured_for_the_method(tmp_path):
     assert "enable_adaptive_verification" not in p["speculative_config"]
     # a checkpoint folder: its decode report's recommendation; DSpark on a GPU verifies adaptively
     (anchor / "eval").mkdir()
-    (anchor / "eval" / "decode.json").write_text(json.dumps({"recommendation": {
+    report = {"checkpoint": str(anchor), "recommendation": {
         "num_speculative_tokens": 8, "method": "dspark", "enable_adaptive_verification": True, "fixed_k": 1,
-        "why": "measured"}}))
+        "why": "measured"}}
+    (anchor / "eval" / "decode.json").write_text(json.dumps(report))
     p = plan(auto(anchor), [], None, gpu=True)
     assert p["speculative_config"]["num_speculative_tokens"] == 8
     assert p["speculative_config"]["enable_adaptive_verification"] is True
+    # a report copied in from another checkpoint measured other weights
+    (anchor / "eval" / "decode.json").write_text(json.dumps({**report, "checkpoint": "/gone/run/checkpoints/step-9"}))
+    with pytest.raises(InputError, match="measured on another checkpoint"):
+        plan(auto(anchor), [], None, gpu=True)
     (no_anchor / "serving.json").write_text(json.dumps({"num_speculative_tokens": 3, "method": "dspark",
                                                         "why": "measured in the dspark layout"}))
     with pytest.raises(InputError, match="measured for method dspark, not dflash"):

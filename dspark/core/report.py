@@ -6,12 +6,28 @@ a checkpoint's reports live in its EVAL_DIR, where `dspark export` finds them fo
 
 from __future__ import annotations
 
+import filecmp
 from pathlib import Path
 
 from dspark.core.fsio import replacing, write_atomic
 from dspark.core.jsonio import dump_json
 
 EVAL_DIR = "eval"  # CHECKPOINT/eval: the reports of that checkpoint
+
+
+def belongs_to(report: dict, ckpt: Path) -> bool:
+    """A report belongs to checkpoint `ckpt` when its `checkpoint` names it: the same folder, a folder with the
+    same weights (a copied run), or, for a run folder moved since (the recorded one is gone), the same run name,
+    `checkpoints` and step."""
+    recorded, ckpt = report.get("checkpoint"), Path(ckpt).resolve()
+    if not isinstance(recorded, str) or not recorded:
+        return False
+    rec = Path(recorded).expanduser()
+    if rec.exists():
+        rec = rec.resolve()
+        return rec == ckpt or (rec / "model.safetensors").is_file() and \
+            filecmp.cmp(rec / "model.safetensors", ckpt / "model.safetensors", shallow=False)
+    return rec.is_absolute() and rec.parts[-3:] == ckpt.parts[-3:]
 
 
 def save_figure(fig, path: Path, title: str) -> None:

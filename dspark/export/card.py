@@ -13,13 +13,12 @@ The card names no local path: local folders become placeholders (`<verifier>`, `
 
 from __future__ import annotations
 
-import filecmp
 import math
 import re
 from pathlib import Path
 
 from dspark.connector.registry import is_live
-from dspark.core.report import EVAL_DIR
+from dspark.core.report import EVAL_DIR, belongs_to
 from dspark.export.commands import extract_command, prepare_command, shell_word, train_command, wrap_words
 from dspark.export.provenance import Provenance, provenance, read_json, step_of
 from dspark.export.serving import docker_command, serve_command, serving_notes, speculative_config
@@ -113,19 +112,6 @@ def scrub(text: str, known: dict[str, str]) -> str:
     return _ABS_PATH.sub("<path>", text)
 
 
-def _same_checkpoint(recorded, ckpt: Path) -> bool:
-    """A report belongs to `ckpt` when it names it: the same folder, a folder with the same weights (a copied
-    run), or, for a run folder moved since (the recorded one is gone), the same run name, `checkpoints` and step."""
-    if not isinstance(recorded, str) or not recorded:
-        return False
-    rec = Path(recorded).expanduser()
-    if rec.exists():
-        rec = rec.resolve()
-        return rec == ckpt or (rec / "model.safetensors").is_file() and \
-            filecmp.cmp(rec / "model.safetensors", ckpt / "model.safetensors", shallow=False)
-    return rec.is_absolute() and rec.parts[-3:] == ckpt.parts[-3:]
-
-
 def _demote(md: str, levels: int = 3) -> str:
     out, fenced = [], False
     for line in md.splitlines():
@@ -146,7 +132,7 @@ def reports(ckpt: Path) -> tuple[list[tuple[str, str, dict, str, Path | None]], 
         md = folder / f"{name}.md"
         if data is None or not md.is_file():
             continue
-        if not _same_checkpoint(data.get("checkpoint"), ckpt):
+        if not belongs_to(data, ckpt):
             skipped.append(f"`{EVAL_DIR}/{name}.json` found beside this checkpoint belongs to another checkpoint "
                            "and is not shown.")
             continue

@@ -29,10 +29,11 @@ def speculative_config(model: str, tokens: int, method: str | None = None, adapt
 
 def recommendation(folder: str | Path) -> dict | None:
     """The draft count measured for serving the drafter in `folder`: an export's serving.json, or the
-    recommendation in a checkpoint's eval/decode.json (None: never measured)."""
-    from dspark.core.report import EVAL_DIR
+    recommendation in a checkpoint's own eval/decode.json (None: never measured)."""
+    from dspark.core.report import EVAL_DIR, belongs_to
 
     folder = Path(folder)
+    measure = "measure again: dspark eval --checkpoint RUN/latest --decode, then export again"
     for path, key in ((folder / SERVING_FILE, None), (folder / EVAL_DIR / "decode.json", "recommendation")):
         if path.is_file():
             try:
@@ -42,8 +43,9 @@ def recommendation(folder: str | Path) -> dict | None:
                                             and isinstance(rec.get("method"), str)):
                     raise ValueError
             except (ValueError, AttributeError):
-                raise InputError(f"{path} is not a dspark decode report", "measure again: dspark eval --checkpoint "
-                                 "RUN/latest --decode, then export again") from None
+                raise InputError(f"{path} is not a dspark decode report", measure) from None
+            if key is not None and not belongs_to(data, folder):  # copied in beside other weights
+                raise InputError(f"{path} was measured on another checkpoint ({data.get('checkpoint')})", measure)
             return rec
     return None
 

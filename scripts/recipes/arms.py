@@ -33,6 +33,10 @@ ARMS = {
     "anchors256": (["--max-anchors", "256"], "256 anchors per 2K-token batch (128 in the seed)"),
     "vocab16k": (["--draft-vocab-size", "16384"], "draft vocabulary 16K (8K in the seed)"),
     "lr1e-2": (["--lr", "1e-2"], "3.3x the seed's learning rate"),
+    # the leading loss on the leading depth: do they add up?
+    "layers2-dpace": (["--num-layers", "2", "--loss-fn", "ce", "--per-position-loss-weight", "dpace"],
+                      "2 draft layers, CE with D-PACE"),
+    "layers2-lk": (["--num-layers", "2", "--loss-fn", "lk_hybrid"], "2 draft layers, LK hybrid loss"),
 }
 
 
