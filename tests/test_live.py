@@ -412,7 +412,7 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
         serve_proc = shared.proc
     try:
         train = _train_proc(tmp_path, verifier, prepared, master, url, request_timeout=3, max_retries=1,
-                            max_consecutive_generation_failures=3, max_down_seconds=5)
+                            max_consecutive_generation_failures=3, max_down_seconds=2)
         wait_for(lambda: _cached(tmp_path) >= 10 or train.poll() is not None, 180, "live samples in the cache")
         stop(master_proc) if victim == "master" else stop(serve_proc, signal.SIGTERM)
         out, err = train.communicate(timeout=300)
@@ -429,6 +429,34 @@ def test_losing_a_live_service_mid_run_degrades_then_stops_clearly(tmp_path, ver
         stop(serve_proc, signal.SIGTERM)
         if master_proc is not None:
             stop(master_proc)
+
+
+def test_a_source_that_gives_up_stops_the_loader_without_the_reads_queued_behind_it():
+    """The lost-master run above once stopped only after every read queued behind the one that gave up had
+    waited out its request timeout and retry (30 s of its 70): a read in flight finishes, the rest are dropped."""
+    from dspark.train.data import Loader
+
+    started = []
+
+    class Data:  # what a Loader asks of TrainData
+        leave_out: dict = {}
+
+        def holds(self, ids):
+            return False
+
+        def read(self, sample_id):
+            started.append(sample_id)
+            if sample_id == 0:
+                raise LiveSourceDown("the live source gave up")
+            time.sleep(0.5)  # a live read waiting on its request
+            return None
+
+        def collate(self, samples):
+            return None
+
+    with pytest.raises(LiveSourceDown, match="gave up"):
+        list(Loader(Data(), [[0, 1], [2, 3], [4, 5]], num_workers=1, prefetch=1, keep_empty=True))
+    assert started[0] == 0 and len(started) <= 2, started  # 0 failed, 1 was in flight; 2-5 never started
 
 
 def test_an_object_that_vanished_is_named_as_such(master):

@@ -23,7 +23,11 @@ the degradation is logged once per outage, and live reads resume when it is back
            server restart can be waited out).
   failing  the server answers /health but its requests fail (a 5xx, the Mooncake master
            gone, wrong values): after --max-consecutive-generation-failures in a row the
-           run stops with a clear error. Without an endpoint every failure counts here.
+           run stops with a clear error. Without an endpoint every failure counts here. A
+           failure is retried (--max-retries) unless the Mooncake master takes no connection:
+           no retry can succeed without it.
+Once either stops the run, no read sends another request or retry (one in flight runs its
+course), and the trainer's loader drops the reads it had queued.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ import numpy as np
 from dspark.connector.config import LiveConfig
 from dspark.connector.base import PromptSet, Sample, Source
 from dspark.connector.manifest import StoreManifest
-from dspark.connector.mooncake.errors import CorruptObject, MooncakeError, ProducerFailed
+from dspark.connector.mooncake.client import unreachable
+from dspark.connector.mooncake.errors import CorruptObject, MooncakeError, MooncakeUnavailable, ProducerFailed
 from dspark.connector.mooncake.reader import MooncakeReader
 from dspark.connector.zarr.reader import ZarrStore
 from dspark.connector.zarr.writer import ZarrSink
@@ -154,6 +159,7 @@ class TieredSource(Source):
         self._degraded = False  # said once per outage, cleared by the next sample fetched
         self._down: tuple[float, ServerDown] | None = None  # since when (monotonic) the server is down, and why
         self._prober: threading.Thread | None = None
+        self._gave_up: LiveSourceDown | None = None  # the run stops: later misses send no request
         self._closed = threading.Event()
         self._stats = {"cache_hits": 0, "generated": 0, "skipped": 0, "failures": 0, "damaged_refetched": 0}
         if cfg.on_missing == "generate" and len(self.cache) < len(prompts):
@@ -224,6 +230,7 @@ class TieredSource(Source):
                 log.warning("sample %d is not cached; skipped (--on-missing warn)", sample_id)
             self._stats["skipped"] += 1
             return None
+        self._stop_if_gave_up()
         if self._down is not None:  # no request while it is down: the prober says when it is back
             return self._skip_while_down()
         try:
@@ -256,6 +263,8 @@ class TieredSource(Source):
         attempts = 1 + max(self.cfg.max_retries, self.cfg.generation_validation_retries)
         last: Exception | None = None
         for attempt in range(attempts):
+            if attempt:  # another read stopped the run meanwhile: no retry (an in-flight request may run its time)
+                self._stop_if_gave_up()
             try:
                 # Connect first: the producer may mount no memory, so its put needs our segment.
                 reader = self._reader_or_connect()
@@ -276,6 +285,9 @@ class TieredSource(Source):
                 if self.client and not self.client.alive():  # retries cannot help: wait for it to come back
                     raise ServerDown(f"the extraction server at {self.client.base} does not answer its liveness "
                                      f"check; {type(e).__name__}: {e}") from e
+                if (why := unreachable(master := self.cfg.mooncake.master)) is not None:  # nor without the master
+                    raise MooncakeUnavailable(f"cannot reach the Mooncake master at {master} ({why}); "
+                                              f"{type(e).__name__}: {e}") from e
                 if attempt >= self.cfg.max_retries:
                     raise
                 time.sleep(min(2.0, 0.1 * 2**attempt))
@@ -298,9 +310,8 @@ class TieredSource(Source):
             self._failures += 1
             self._degrade(e)
             if self._failures >= self.cfg.max_consecutive_generation_failures:
-                raise LiveSourceDown(
-                    f"{self._failures} consecutive live extraction failures (last: {type(e).__name__}: {e})",
-                    f"bring the endpoint/Mooncake master back and {self._RERUN}")
+                self._give_up(f"{self._failures} consecutive live extraction failures (last: {type(e).__name__}: {e})",
+                              f"bring the endpoint/Mooncake master back and {self._RERUN}")
         return None
 
     def _went_down(self, e: ServerDown) -> None:
@@ -322,9 +333,18 @@ class TieredSource(Source):
     def _check_down_budget(self) -> None:
         """Under the lock: a server down past --max-down-seconds stops the run."""
         if self._down is not None and (down := time.monotonic() - self._down[0]) > self.cfg.max_down_seconds:
-            raise LiveSourceDown(f"the live source has been down for {down:.0f} s, more than --max-down-seconds "
-                                 f"{self.cfg.max_down_seconds:g} ({self._down[1]})",
-                                 f"bring the extraction server back and {self._RERUN}")
+            self._give_up(f"the live source has been down for {down:.0f} s, more than --max-down-seconds "
+                          f"{self.cfg.max_down_seconds:g} ({self._down[1]})",
+                          f"bring the extraction server back and {self._RERUN}")
+
+    def _give_up(self, what: str, fix: str) -> None:
+        """Under the lock: stop the run; the reads still in flight or queued stop too, with no further request."""
+        self._gave_up = LiveSourceDown(what, fix)
+        raise LiveSourceDown(what, fix)
+
+    def _stop_if_gave_up(self) -> None:
+        if (e := self._gave_up) is not None:
+            raise LiveSourceDown(e.what, e.fix)
 
     def _probe(self) -> None:
         """While the server is down: ask /health until it answers, then let misses send requests again."""

@@ -206,7 +206,8 @@ class Loader:
     With `where` (the pass, e.g. "train epoch 0"), the samples skipped from each batch are
     recorded in `data.skipped` when the caller takes the batch (not when read ahead, so a
     checkpoint records exactly the batches trained), and that pass's `data.leave_out` are
-    left out unread.
+    left out unread. A read that fails (a live source that gave up) stops the pass: the reads in
+    flight finish, those queued behind it are dropped.
     """
 
     READ_AHEAD_BATCHES = 2  # batches whose sample reads are in flight beside the one being collated
@@ -264,31 +265,34 @@ class Loader:
 
         def produce():
             _one_torch_thread()
+            pool = ThreadPoolExecutor(self.num_workers, initializer=_one_torch_thread)  # threads start lazily
             try:
-                with ThreadPoolExecutor(self.num_workers, initializer=_one_torch_thread) as pool:  # started lazily
-                    # The reads of the next batches stay in flight while this one is collated and queued:
-                    # reading batch by batch left the readers idle through every collate.
-                    ahead: deque[tuple[list[int], list[Future]]] = deque()
-                    batches = iter(self.batches)
+                # The reads of the next batches stay in flight while this one is collated and queued:
+                # reading batch by batch left the readers idle through every collate.
+                ahead: deque[tuple[list[int], list[Future]]] = deque()
+                batches = iter(self.batches)
 
-                    def read_ahead():
-                        while len(ahead) < self.READ_AHEAD_BATCHES and (b := next(batches, None)) is not None:
-                            ahead.append((b, [pool.submit(self._read, i) for i in b]))
+                def read_ahead():
+                    while len(ahead) < self.READ_AHEAD_BATCHES and (b := next(batches, None)) is not None:
+                        ahead.append((b, [pool.submit(self._read, i) for i in b]))
 
+                read_ahead()
+                while ahead:
+                    b, reads = ahead.popleft()
                     read_ahead()
-                    while ahead:
-                        b, reads = ahead.popleft()
-                        read_ahead()
-                        item = self._collate(b, [f.result() for f in reads])  # (batch or None, skipped ids)
-                        if item[0] is None and set(b) - self._leave_out and self.data.source.wait_for_recovery(stop):
-                            item = self._collate(b, list(pool.map(self._read, b)))  # the source is back: once more
-                        if not put(item):
-                            for f in (f for _, reads in ahead for f in reads):
-                                f.cancel()
-                            return
+                    item = self._collate(b, [f.result() for f in reads])  # (batch or None, skipped ids)
+                    if item[0] is None and set(b) - self._leave_out and self.data.source.wait_for_recovery(stop):
+                        item = self._collate(b, list(pool.map(self._read, b)))  # the source is back: once more
+                    if not put(item):
+                        return
             except BaseException as e:  # hand the failure to the consumer, which re-raises it
                 put(e)
                 return
+            finally:
+                # The reads in flight finish (none outlives the loop); those queued are dropped: after a failure
+                # (a live source that gave up) the run stops now, not after each queued read waited out its
+                # request timeout and retries.
+                pool.shutdown(wait=True, cancel_futures=True)
             put(None)
 
         t = threading.Thread(target=produce, daemon=True, name="dspark-loader")

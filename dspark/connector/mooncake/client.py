@@ -51,14 +51,20 @@ def master_binary() -> str:
     raise MooncakeError("mooncake_master is not installed", "pip install 'dspark[mooncake]'")
 
 
-def _check_reachable(master: str) -> None:
+def unreachable(master: str) -> str | None:
+    """Why the Mooncake master at `master` (host:port) takes no TCP connection within 2 s, or None if it does."""
     host, _, port = master.rpartition(":")
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=2).close()
     except (OSError, ValueError) as e:
-        raise MooncakeUnavailable(
-            f"cannot reach the Mooncake master at {master} ({e})",
-            "start it (mooncake_master --rpc_port 50051 ...) or fix --mooncake-master") from None
+        return str(e)
+    return None
+
+
+def _check_reachable(master: str) -> None:
+    if (why := unreachable(master)) is not None:
+        raise MooncakeUnavailable(f"cannot reach the Mooncake master at {master} ({why})",
+                                  "start it (mooncake_master --rpc_port 50051 ...) or fix --mooncake-master")
 
 
 def connect(cfg: MooncakeConfig):
