@@ -520,6 +520,9 @@ def test_dpace_weighs_block_positions_with_ce_alone(store, prepared, verifier, t
 
     with pytest.raises(InputError, match=r"dpace weighs positions by the CE's own confidence.*\(fix: pass --loss-fn ce"):
         cfg(store, prepared, verifier, tmp_path / "r0", per_position_loss_weight="dpace").validate()
+    # EAGLE-3 reads no position weights: a config that sets them for block drafters trains it with its own loss
+    cfg(store, prepared, verifier, tmp_path / "r2", per_position_loss_weight="dpace", speculator_type="eagle3",
+        loss_fn="kl_div").validate()
     c = cfg(store, prepared, verifier, tmp_path / "r1", per_position_loss_weight="dpace", dpace_alpha=0.3,
             loss_fn="ce", max_steps=2, epochs=1).validate()
     kw = loss_kwargs(DSparkDraftModel.__new__(DSparkDraftModel), c, torch.device("cpu"))

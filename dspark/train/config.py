@@ -152,8 +152,9 @@ class TrainConfig:
         except ValueError as e:
             raise InputError(f"--loss-fn {self.loss_fn!r}: {e}", 'e.g. --loss-fn \'{"ce": 0.1, "tv": 0.9}\'') from None
         loss = self.loss_fn or KINDS[self.speculator_type].default_loss
-        if self.per_position_loss_weight == "dpace" and loss != "ce" and (loss in LOSS_FNS or
-                                                                          set(json.loads(loss)) != {"ce"}):
+        reads = KINDS[self.speculator_type].reads  # a kind that never reads the setting (EAGLE-3) is not held to it
+        ce_alone = loss == "ce" or loss not in LOSS_FNS and set(json.loads(loss)) == {"ce"}
+        if "per_position_loss_weight" in reads and self.per_position_loss_weight == "dpace" and not ce_alone:
             # D-PACE reads each term's elementwise loss as a CE (its confidence is exp(-loss))
             raise InputError(f"--per-position-loss-weight dpace weighs positions by the CE's own confidence, and "
                              f"--loss-fn {loss} is not CE alone", "pass --loss-fn ce")

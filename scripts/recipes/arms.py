@@ -23,7 +23,7 @@ from pathlib import Path
 
 # arm -> the settings it changes (flags of `dspark train`), and what it tests
 ARMS = {
-    "seed": ([], "the recipe's settings: CE 0.1 + TV 0.9, exponential position decay, 1 layer"),
+    "seed": ([], "the main run's settings: CE 0.1 + TV 0.9, exponential position decay, 1 layer"),
     "dpace": (["--loss-fn", "ce", "--per-position-loss-weight", "dpace"],
               "CE with D-PACE position weights (speculators' DFlash default after 0.9, PR 980)"),
     "lk": (["--loss-fn", "lk_hybrid"], "LK hybrid loss (speculators 0.9)"),
@@ -47,7 +47,21 @@ def run(cmd: list[str], log: Path) -> None:
         subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT)
 
 
-def arm(recipe: Path, name: str, record: dict, dspark: str, config: str) -> dict:
+# the record's settings that are the run's places and schedule, not its training settings
+PLACES = {"data_path", "save_path", "store", "source", "live", "tracking", "verifier_name_or_path", "epochs",
+          "checkpoint_freq"}
+
+
+def seed_settings(recipe: Path, record: dict) -> Path:
+    """The main run's training settings as a config file: arms stay its variations after the recipe's defaults
+    move on (smollm2.yaml takes the winner)."""
+    path = recipe / "arms" / "seed.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({k: v for k, v in record.items() if k not in PLACES}, indent=2))  # JSON is YAML
+    return path
+
+
+def arm(recipe: Path, name: str, record: dict, dspark: str, config: Path) -> dict:
     main = recipe / "runs" / "original"
     folder = main if name == "seed" else recipe / "arms" / name
     evaluated = folder / "latest" / "eval" / "eval.json"
@@ -56,7 +70,7 @@ def arm(recipe: Path, name: str, record: dict, dspark: str, config: str) -> dict
         log = recipe / "arms" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         if name != "seed":
-            run([dspark, "train", "--config", config, "--from", "zarr", "--store", record["store"],
+            run([dspark, "train", "--config", str(config), "--from", "zarr", "--store", record["store"],
                  "--data-path", record["data_path"], "--verifier-name-or-path", record["verifier_name_or_path"],
                  "--save-path", str(folder), "--epochs", str(record["epochs"]),
                  "--checkpoint-freq", str(record["checkpoint_freq"]), "--no-progress", *ARMS[name][0]], log)
@@ -93,19 +107,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", type=Path, required=True, help="the recipe's folder (RECIPE of smollm2.sh)")
     ap.add_argument("--arms", default="dpace,lk,layers2,layers3,anchors256,vocab16k",
-                    help=f"comma-separated, of {', '.join(ARMS)} (seed always runs first)")
+                    help=f"comma-separated, of {', '.join(ARMS)} (seed always runs first; '' only tabulates the "
+                         "arms evaluated so far)")
     ap.add_argument("--dspark", default=".venv/bin/dspark")
-    ap.add_argument("--config", default="scripts/recipes/smollm2.yaml")
     a = ap.parse_args()
     names = ["seed", *[n for n in a.arms.split(",") if n and n != "seed"]]
     unknown = [n for n in names if n not in ARMS]
     if unknown:
         sys.exit(f"error: unknown arm(s) {unknown} (fix: use some of {list(ARMS)})")
+    # the table holds every arm evaluated so far, not only this call's
+    names += [n for n in ARMS if n not in names and (a.recipe / "arms" / n / "latest" / "eval" / "eval.json").exists()]
     record = json.loads((a.recipe / "runs" / "original" / "config.json").read_text())["train"]  # the run record
     rows = []
     for name in names:
         t = time.time()
-        rows.append(arm(a.recipe, name, record, a.dspark, a.config))
+        rows.append(arm(a.recipe, name, record, a.dspark, seed_settings(a.recipe, record)))
         print(f"{name}: tau {rows[-1]['tau_greedy']:.3f}, state gain {rows[-1]['state_gain_pos1']:+.3f} "
               f"({time.time() - t:.0f} s)", flush=True)
         out = a.recipe / "arms"
