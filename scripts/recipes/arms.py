@@ -118,14 +118,13 @@ def main() -> None:
     # the table holds every arm evaluated so far, not only this call's
     names += [n for n in ARMS if n not in names and (a.recipe / "arms" / n / "latest" / "eval" / "eval.json").exists()]
     record = json.loads((a.recipe / "runs" / "original" / "config.json").read_text())["train"]  # the run record
-    rows = []
+    rows, settings = [], seed_settings(a.recipe, record)
     for name in names:
         t = time.time()
-        rows.append(arm(a.recipe, name, record, a.dspark, seed_settings(a.recipe, record)))
+        rows.append(arm(a.recipe, name, record, a.dspark, settings))
         print(f"{name}: tau {rows[-1]['tau_greedy']:.3f}, state gain {rows[-1]['state_gain_pos1']:+.3f} "
               f"({time.time() - t:.0f} s)", flush=True)
-        out = a.recipe / "arms"
-        out.mkdir(exist_ok=True)
+        out = a.recipe / "arms"  # made by seed_settings
         (out / "arms.json").write_text(json.dumps(rows, indent=2))
         (out / "arms.md").write_text(markdown(rows, record))
     print(markdown(rows, record))
