@@ -14,7 +14,8 @@
 # runs under its own timeout, a failed one is recorded and the next one runs; summary.txt,
 # failures.txt and logs.tar.gz go to OUT (default cache/gpu-check). Exit status 1 if any failed.
 # --dry-run (or DSPARK_GPU_CHECK_DRY=1): on the CPU with .venv alone, what needs no vLLM 0.33 or
-# CUDA (the abort probe against `dspark serve`, the CPU stand-in); CI runs it (tests/test_gpu_check.py),
+# CUDA (the abort probe against `dspark serve`, the CPU stand-in, beside the drafter's export and eval;
+# DSPARK_GPU_CHECK_JOBS=1: one step at a time); CI runs it (tests/test_gpu_check.py),
 # which checks the plumbing and so gives it its test session's inputs.
 # Inputs given instead of built (unset, as on a real run: built here). Each is linked into the work
 # folder, read and never written, and its step passes at once, saying `given: PATH`:
@@ -49,8 +50,10 @@ LIB=(.venv/bin/python scripts/gpu_check_lib.py)
 URL=http://127.0.0.1:$PORT
 if [ "$DRY" = 1 ]; then
   DEV=cpu TOY_STEPS=1 CHATS=40 STEPS=4 PROMPTS=2 TOKENS=16 TP=1
+  # eval --decode's teacher-forced scores, calibration and cost profile, each on the least that runs it
+  EVAL_SIZES=(--max-anchors 64 --calibration-max-prompts "$PROMPTS" --profile-repeats 1)
 else
-  DEV=cuda TOY_STEPS=150 CHATS=400 STEPS=0 PROMPTS=20 TOKENS=64 TP=$(nvidia-smi -L | wc -l)
+  DEV=cuda TOY_STEPS=150 CHATS=400 STEPS=0 PROMPTS=20 TOKENS=64 TP=$(nvidia-smi -L | wc -l) EVAL_SIZES=()
 fi
 CHAT=$W/chat.jsonl
 head -n "$CHATS" "$(.venv/bin/python -c 'from dspark.verifier.toy import demo_chat_path; print(demo_chat_path())')" >"$CHAT"
@@ -109,37 +112,44 @@ elif [ "$DRY" = 1 ]; then
 fi
 
 # The abort probe: a small token budget per step stretches the longest prompt's prefill over many steps.
-if [ "$DRY" = 1 ]; then
-  serve abort-server "${DS[@]}" serve --model "$W/tiny" --data "$W/prepared" --to zarr --store "$W/abort" \
-    "${LAYERS[@]}" --port "$PORT"
-else
-  serve abort-server "${LAUNCH[@]}" --store "$W/abort" -- "${VLLM_FLAGS[@]}" --max-num-batched-tokens 32 \
-    --max-num-seqs 4
-fi && step abort-probe 180 "${LIB[@]}" abort-probe "$URL" "$W/prepared" "$W/aborted-id"
-unserve
-step abort-verify 120 "${DS[@]}" store verify "$W/abort" --no-progress
-step abort-absent-or-whole 60 "${LIB[@]}" absent-or-whole "$W/abort" "$W/fp32" "$W/aborted-id" --bound "$BF16_BOUND"
-
+aborted() {
+  trap '[ -z "$SERVER" ] || unserve' EXIT  # again: side by side, this chain is a subshell, which drops traps
+  if [ "$DRY" = 1 ]; then
+    serve abort-server "${DS[@]}" serve --model "$W/tiny" --data "$W/prepared" --to zarr --store "$W/abort" \
+      "${LAYERS[@]}" --port "$PORT"
+  else
+    serve abort-server "${LAUNCH[@]}" --store "$W/abort" -- "${VLLM_FLAGS[@]}" --max-num-batched-tokens 32 \
+      --max-num-seqs 4
+  fi && step abort-probe 180 "${LIB[@]}" abort-probe "$URL" "$W/prepared" "$W/aborted-id"
+  unserve
+  step abort-verify 120 "${DS[@]}" store verify "$W/abort" --no-progress
+  step abort-absent-or-whole 60 "${LIB[@]}" absent-or-whole "$W/abort" "$W/fp32" "$W/aborted-id" --bound "$BF16_BOUND"
+}
 # A drafter in DSpark's layout (the default), served with `method: dspark`; then the verifier alone.
-# shellcheck disable=SC2046  # --max-steps N or nothing
-made_or_given train "$GIVEN_RUN" "$W/run" 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr \
-  --store "$W/fp32" --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
-  --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
-step export 120 "${DS[@]}" export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
-BENCH=(bench --endpoint "$URL" --prompts demo="$CHAT" --max-prompts "$PROMPTS" --max-tokens "$TOKENS" --ignore-eos
-       --concurrency 4 --no-progress)
-if [ "$DRY" = 1 ]; then
-  skip serve-draft "method dspark runs on Model Runner V2, GPU only"
-else
-  for served in drafted alone; do
-    if [ $served = drafted ]; then what=(--drafter "$W/export"); else what=(--method none); fi
-    serve "serve-$served" "${VDS[@]}" serve-draft --verifier "$W/tiny" "${what[@]}" --port "$PORT" --dtype bfloat16 \
-      -- --gpu-memory-utilization "$GPU_MEM" \
-      && step "bench-$served" 600 "${DS[@]}" "${BENCH[@]}" --output "$W/bench-$served"
-    unserve
-  done
-fi
-step eval-decode 600 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --decode --prompts demo="$CHAT" \
-  --max-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --ignore-eos --no-progress --output "$W/decoded"
-[ "$DRY" = 1 ] || step acceptance 60 "${LIB[@]}" acceptance "$W/bench-drafted" "$W/bench-alone" "$W/decoded"
+drafted() {
+  # shellcheck disable=SC2046  # --max-steps N or nothing
+  made_or_given train "$GIVEN_RUN" "$W/run" 900 "${DS[@]}" train --config scripts/configs/demo.yaml --from zarr \
+    --store "$W/fp32" --data-path "$W/prepared" --verifier-name-or-path "$W/tiny" --save-path "$W/run" --device "$DEV" \
+    --no-progress $([ "$STEPS" = 0 ] || echo --max-steps "$STEPS")
+  step export 120 "${DS[@]}" export "$W/run/latest" --output "$W/export" --verifier-name dspark/tiny-verifier
+  BENCH=(bench --endpoint "$URL" --prompts demo="$CHAT" --max-prompts "$PROMPTS" --max-tokens "$TOKENS" --ignore-eos
+         --concurrency 4 --no-progress)
+  if [ "$DRY" = 1 ]; then
+    skip serve-draft "method dspark runs on Model Runner V2, GPU only"
+  else
+    for served in drafted alone; do
+      if [ $served = drafted ]; then what=(--drafter "$W/export"); else what=(--method none); fi
+      serve "serve-$served" "${VDS[@]}" serve-draft --verifier "$W/tiny" "${what[@]}" --port "$PORT" --dtype bfloat16 \
+        -- --gpu-memory-utilization "$GPU_MEM" \
+        && step "bench-$served" 600 "${DS[@]}" "${BENCH[@]}" --output "$W/bench-$served"
+      unserve
+    done
+  fi
+  step eval-decode 600 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --decode --prompts demo="$CHAT" \
+    --max-prompts "$PROMPTS" --max-new-tokens "$TOKENS" --ignore-eos --no-progress --output "$W/decoded" \
+    "${EVAL_SIZES[@]}"
+  [ "$DRY" = 1 ] || step acceptance 60 "${LIB[@]}" acceptance "$W/bench-drafted" "$W/bench-alone" "$W/decoded"
+}
+# One after the other; a dry run, whose drafter serves nothing, runs them side by side (side_by_side).
+side_by_side aborted drafted
 finish

@@ -11,7 +11,8 @@
 # On a lent machine, whose image lacks speculators, zarr, pydantic, dspark and a few more:
 #   bash scripts/gpu_wheels.sh                        # here: .gpuwheels/, ignored, under 64 MiB
 #   run  command: bash scripts/gpu_check_device.sh    carry: [".gpuwheels"]   timeout_s: 600
-# --dry-run (or DSPARK_GPU_CHECK_DRY=1): every step on the CPU with tiny sizes, NCCL as gloo; what CI
+# --dry-run (or DSPARK_GPU_CHECK_DRY=1): every step on the CPU with tiny sizes, NCCL as gloo, eval and
+# train --autocast off beside the torchrun steps (DSPARK_GPU_CHECK_JOBS=1: one step at a time); what CI
 # runs (tests/test_gpu_check.py), which checks the plumbing and so gives it its test session's inputs.
 # Inputs given instead of built (unset, as on a real run: built here). Each is linked into the work
 # folder, read and never written, and its step passes at once, saying `given: PATH`:
@@ -72,12 +73,18 @@ step compare-bf16 60 "${LIB[@]}" compare "$W/fp32" "$W/bf16" --bound "$BF16_BOUN
 # flex attention, fused losses, torch.compile and Muon are what `dspark train` picks on CUDA.
 step train 180 "${DS[@]}" "${TRAIN[@]}" --save-path "$W/run" --max-steps "$STEPS"
 step train-metrics 30 "${LIB[@]}" train-ok "$W/run" --log "$LOGS/train.log"
-step eval 90 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --max-anchors 256 --no-progress
-step train-autocast-off 150 "${DS[@]}" "${TRAIN[@]}" --save-path "$W/run-fp32" --max-steps "$STEPS" --autocast off
-step train-autocast-off-metrics 30 "${LIB[@]}" train-ok "$W/run-fp32" --log "$LOGS/train-autocast-off.log"
-step ddp-nccl 60 "$PY" -m torch.distributed.run --nproc-per-node 1 scripts/gpu_check_lib.py ddp-smoke "${TRUN[@]}"
-step train-torchrun 150 "$PY" -m torch.distributed.run --nproc-per-node 1 -m dspark.cli "${TRAIN[@]}" \
-  --save-path "$W/run-torchrun" --max-steps "$STEPS"
+# Two chains that a dry run runs side by side (side_by_side): no bits of theirs are compared.
+evaluated_and_autocast_off() {
+  step eval 90 "${DS[@]}" eval --checkpoint "$W/run/latest" --device "$DEV" --max-anchors 256 --no-progress
+  step train-autocast-off 150 "${DS[@]}" "${TRAIN[@]}" --save-path "$W/run-fp32" --max-steps "$STEPS" --autocast off
+  step train-autocast-off-metrics 30 "${LIB[@]}" train-ok "$W/run-fp32" --log "$LOGS/train-autocast-off.log"
+}
+distributed() {
+  step ddp-nccl 60 "$PY" -m torch.distributed.run --nproc-per-node 1 scripts/gpu_check_lib.py ddp-smoke "${TRUN[@]}"
+  step train-torchrun 150 "$PY" -m torch.distributed.run --nproc-per-node 1 -m dspark.cli "${TRAIN[@]}" \
+    --save-path "$W/run-torchrun" --max-steps "$STEPS"
+}
+side_by_side evaluated_and_autocast_off distributed
 # Resume equality against the first run: half its steps, then a second process resumes to the end.
 step resume-half 120 "${DS[@]}" "${TRAIN[@]}" --save-path "$W/run-resumed" --max-steps $(( STEPS / 2 ))
 step resume-rest 120 "${DS[@]}" "${TRAIN[@]}" --save-path "$W/run-resumed" --max-steps "$STEPS"
