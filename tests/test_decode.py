@@ -162,7 +162,12 @@ def test_greedy_speculative_output_is_the_verifiers_own(decoder, prepared, layou
                     assert (c, n) == ([], 0)  # no proposal: the verifier's token alone
                 else:
                     assert n == replay(Proposal(torch.zeros(len(c)), None, torch.tensor(c)), 0)
-        assert spec.tokens == autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos).tokens
+        alone = autoregressive(v, prompt, 40, sampling=GREEDY, eos=eos)
+        assert spec.tokens == alone.tokens
+        # the verifier alone is summarized per forward after the prompt's, as a step that verified no draft
+        s = summarize([alone], drafter.num_speculative_tokens)
+        assert s["drafts"] == len(alone.tokens) - 1 and s["mean_acceptance_length"] == 1.0
+        assert s["ms_per_verify"] == pytest.approx(1000 * alone.verify_s / (len(alone.tokens) - 1))
         # every step yields its accepted drafts and one token of the verifier's; the last step may pass
         # 40 or a stop token, and is cut there: no step runs after the output is complete
         produced = [a + 1 for a in spec.accepted]

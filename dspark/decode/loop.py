@@ -225,5 +225,6 @@ def autoregressive(verifier: Verifier, prompt: list[int], max_new: int, *, sampl
         logits, _ = verifier.forward([tokens[-1]])
         tokens.append(_first_token(logits[-1], temperature, gen))
     decode_s = time.perf_counter() - start
-    return Trace(_finish(tokens, max_new, eos), seconds=pre.seconds + decode_s, prefill_s=pre.seconds,
-                 verify_s=decode_s)
+    steps = len(tokens) - 1  # forwards after the prompt's, each a step that verified no draft
+    return Trace(_finish(tokens, max_new, eos), [0] * steps, [0] * steps, seconds=pre.seconds + decode_s,
+                 prefill_s=pre.seconds, verify_s=decode_s)
