@@ -7,7 +7,7 @@ the state gain: never a reported set). The main run itself is the `seed` arm. Re
 eval.json exists is read, not run again; train resumes a killed run. Reports figures; asserts nothing.
 
     .venv/bin/python scripts/recipes/arms.py --recipe /work/dspark-cache/recipes/smollm2-scale \
-        --arms dpace,lk,layers2,layers3,anchors256,vocab16k
+        --arms layers3-dpace,layers2-dpace-anchors256,layers2-dpace-vocab16k
 
 Writes RECIPE/arms/arms.json and arms.md (the table docs/results.md carries).
 """
@@ -21,11 +21,13 @@ import sys
 import time
 from pathlib import Path
 
+DPACE = ["--loss-fn", "ce", "--per-position-loss-weight", "dpace"]
+WINNER = ["--num-layers", "2", *DPACE]  # the recipe's default since the first arms (smollm2.yaml)
+
 # arm -> the settings it changes (flags of `dspark train`), and what it tests
 ARMS = {
     "seed": ([], "the main run's settings: CE 0.1 + TV 0.9, exponential position decay, 1 layer"),
-    "dpace": (["--loss-fn", "ce", "--per-position-loss-weight", "dpace"],
-              "CE with D-PACE position weights (speculators' DFlash default after 0.9, PR 980)"),
+    "dpace": (DPACE, "CE with D-PACE position weights (speculators' DFlash default after 0.9, PR 980)"),
     "lk": (["--loss-fn", "lk_hybrid"], "LK hybrid loss (speculators 0.9)"),
     "ce": (["--loss-fn", "ce"], "CE alone, exponential position decay"),
     "layers2": (["--num-layers", "2"], "2 draft layers"),
@@ -34,9 +36,13 @@ ARMS = {
     "vocab16k": (["--draft-vocab-size", "16384"], "draft vocabulary 16K (8K in the seed)"),
     "lr1e-2": (["--lr", "1e-2"], "3.3x the seed's learning rate"),
     # the leading loss on the leading depth: do they add up?
-    "layers2-dpace": (["--num-layers", "2", "--loss-fn", "ce", "--per-position-loss-weight", "dpace"],
-                      "2 draft layers, CE with D-PACE"),
+    "layers2-dpace": (WINNER, "2 draft layers, CE with D-PACE"),
     "layers2-lk": (["--num-layers", "2", "--loss-fn", "lk_hybrid"], "2 draft layers, LK hybrid loss"),
+    # one more change to the winner: does it still pay on top?
+    "layers3-dpace": (["--num-layers", "3", *DPACE], "3 draft layers, CE with D-PACE"),
+    "layers2-dpace-anchors256": ([*WINNER, "--max-anchors", "256"], "the winner with 256 anchors per batch"),
+    "layers2-dpace-vocab16k": ([*WINNER, "--draft-vocab-size", "16384"], "the winner with a 16K draft vocabulary"),
+    "layers2-dpace-lr1e-2": ([*WINNER, "--lr", "1e-2"], "the winner at 3.3x the learning rate"),
 }
 
 
