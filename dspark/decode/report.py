@@ -22,6 +22,7 @@ from typing import Iterable
 
 import numpy as np
 
+from dspark.decode import cost
 from dspark.decode.loop import Trace
 from dspark.core.report import save_figure
 
@@ -199,9 +200,9 @@ def verification_lines(result: dict) -> list[str]:
         k = chosen["k"][next(iter(chosen["k"]))]
         lines += ["", f"The best fixed k ({k}{': the verifier alone' if k == 0 else ''}) maximises the expected tokens "
                   f"per second with the acceptance measured on {chosen['set']['prompts']} calibration prompts "
-                  f"({chosen['set']['name']}, never a reported set) at {chosen['context']} tokens of context. "
-                  "Cost-driven verification chooses per step from the confidence head (vLLM's adaptive verification, "
-                  "with these costs)."]
+                  f"({chosen['set']['name']}, never a reported set) at {chosen['context']} tokens of context."
+                  + (" Cost-driven verification chooses per step from the confidence head (vLLM's adaptive "
+                     "verification, with these costs)." if cost.CostDriven.label in sets[0]["verification"] else "")]
     lines += ["", "| dataset | verification | mean length | drafts verified/step | tok/s | speedup |",
               "|---|---|---:|---:|---:|---:|"]
     for d in sets:
@@ -263,7 +264,7 @@ def plot(result: dict, path: Path, title: str) -> None:
         s = d["decoded"]
         a.plot([p["position"] for p in s["positions"]], [p["rate"] for p in s["positions"]], marker="o",
                color=f"C{i}", label=f"{d['name']} ({s['mean_acceptance_length']:.2f})")
-        for label, style in (("cost-driven", "--"), ("best fixed k", ":")):
+        for label, style in ((cost.CostDriven.label, "--"), (cost.FixedK.label, ":")):
             c = d.get("verification", {}).get(label)
             if c:
                 a.plot([p["position"] for p in c["positions"]], [p["rate"] for p in c["positions"]], linestyle=style,
