@@ -340,9 +340,10 @@ class TieredSource(Source):
     def _give_up(self, what: str, fix: str) -> None:
         """Under the lock: stop the run; the reads still in flight or queued stop too, with no further request."""
         self._gave_up = LiveSourceDown(what, fix)
-        raise LiveSourceDown(what, fix)
+        self._stop_if_gave_up()
 
     def _stop_if_gave_up(self) -> None:
+        """A fresh exception per read: one object raised in several threads would share its traceback."""
         if (e := self._gave_up) is not None:
             raise LiveSourceDown(e.what, e.fix)
 
