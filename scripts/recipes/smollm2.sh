@@ -11,9 +11,10 @@
 #          -> export (model card, with the tables of eval and compare)
 #          -> serve (vLLM serving a drafter, n-gram and nothing; `dspark bench`) -> bench-extract -> results
 #
-# RECIPE_ENV=FILE: settings over smollm2.env's defaults (smollm2-scale.env: every conversation, a step budget).
-# UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their inputs must exist). Resumable: every step's commands resume on their own, and a finished step is marked in
-# $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
+# RECIPE_ENV=FILE: settings over smollm2.env's defaults (smollm2-scale.env: 4,000 conversations with their own
+# replies; smollm2-full.env: every one). UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their
+# inputs must exist); SKIP="STEP ..." leaves those out. Resumable: every step's commands resume on their own, and
+# a finished step is marked in $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
 # the original ShareGPT replies (no regeneration) runs beside the main one, with the same settings,
 # for the with/without-regeneration comparison. Settings: smollm2.env (sizes) and smollm2.yaml
 # (training). Figures: $RECIPE/results.md (and .json); seconds per step: $RECIPE/timings.tsv.
@@ -49,6 +50,7 @@ sys.exit(f"error: {sys.argv[1]}/{sys.argv[2]} is not installed (fix: rerun; the 
 step() {  # step NAME FUNCTION: run it unless marked done (or left out by ONLY); log and time it
   local name=$1; shift
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
+  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped (SKIP)"; return; fi
   if [ -f "$R/done/$name" ]; then echo "== $name: done (rm $R/done/$name to redo)"; return; fi
   echo "== $name  ($(date +%H:%M:%S))"
   local t0=$SECONDS status
