@@ -201,11 +201,12 @@ def test_a_replay_logs_to_no_tracker(tracked_run):
 @pytest.mark.slow
 def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, prepared, verifier, trackio_dir,
                                                                           tmp_path):
+    """Over 20 s: a training of its own in a child (the kill -9 is the claim), resumed in this process."""
     run = tmp_path / "killed"
     argv = [sys.executable, "-m", "dspark.cli",
             *map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
                                  "--logger", ALL))]
-    # Each run its own process with its own wandb service, as a user's: wandb hands a running service to child
+    # The killed run's own wandb service, as a user's: wandb hands a running service to child
     # processes through WANDB_SERVICE (this one's, once an in-process test used wandb), and that service, alive
     # past the kill, keeps the killed run's stream open and drops the resume of the same run id.
     env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
@@ -230,8 +231,8 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     os.kill(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert max(s for s, _ in mlflow_series(run)["train/loss"]) > checkpoint_step()
-    # a child too, with its own wandb service, as a user's resume
-    resumed = subprocess.run(argv, capture_output=True, text=True, env=env)
+    # The resume in this process: the killed child's wandb service never serves it (this process's does, if any)
+    resumed = run_cli(*argv[3:], check=False)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-2000:]
     want = expected(run)
     assert len(want["train/loss"]) == max(s for s, _ in want["train/loss"])  # every step, from 1
