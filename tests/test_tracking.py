@@ -203,9 +203,9 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
                                                                           tmp_path):
     """Over 20 s: a training of its own in a child (the kill -9 is the claim), resumed in this process."""
     run = tmp_path / "killed"
-    argv = [sys.executable, "-m", "dspark.cli",
-            *map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
-                                 "--logger", ALL))]
+    args = list(map(str, train_argv(store, prepared, verifier, run, "--epochs", "4", "--checkpoint-freq", "0.125",
+                                    "--logger", ALL)))
+    argv = [sys.executable, "-m", "dspark.cli", *args]
     # The killed run's own wandb service, as a user's: wandb hands a running service to child
     # processes through WANDB_SERVICE (this one's, once an in-process test used wandb), and that service, alive
     # past the kill, keeps the killed run's stream open and drops the resume of the same run id.
@@ -232,7 +232,7 @@ def test_kill_9_then_resume_leaves_one_continuous_curve_in_every_tracker(store, 
     assert proc.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert max(s for s, _ in mlflow_series(run)["train/loss"]) > checkpoint_step()
     # The resume in this process: the killed child's wandb service never serves it (this process's does, if any)
-    resumed = run_cli(*argv[3:], check=False)
+    resumed = run_cli(*args, check=False)
     assert resumed.returncode == 0 and "resuming" in resumed.stderr, resumed.stderr[-2000:]
     want = expected(run)
     assert len(want["train/loss"]) == max(s for s, _ in want["train/loss"])  # every step, from 1
